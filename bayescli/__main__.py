@@ -1,0 +1,3 @@
+from bayescli.cli.app import main
+
+main()

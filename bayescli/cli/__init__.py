@@ -1,0 +1,1 @@
+"""The ``bayescli`` command line: one module per subcommand, no maths here."""

@@ -1,0 +1,62 @@
+"""The Typer application and the process entry point (error handling, exit codes)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import click
+import typer
+
+from bayescli import __version__
+from bayescli.cli import common
+from bayescli.cli.demo import demo
+from bayescli.cli.train import train
+from bayescli.errors import BayescliError
+
+app = typer.Typer(
+    name="bayescli",
+    help="Post-hoc Bayesian uncertainty for pretrained classifiers: Laplace approximations, "
+    "GLM predictives, the Laplace bridge, uncertainty-aware top-k and their evaluation.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bayescli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    common.state["debug"] = debug
+
+
+app.command()(train)
+app.command()(demo)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI: exit 0 ok, 1 a ``--fail-if`` gate failed, 2 bad usage or input."""
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        typer.echo("interrupted; no partial output was written", err=True)
+        sys.exit(130)
+    except BayescliError as exc:
+        if common.state["debug"]:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(rv if isinstance(rv, int) else 0)

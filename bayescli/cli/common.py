@@ -1,0 +1,81 @@
+"""Options shared by the subcommands, output helpers and process-wide CLI state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bayescli import progress
+from bayescli.data import ArrayData, load_data
+from bayescli.features import resolve_device
+from bayescli.io import to_json
+
+stdout = Console()
+state = {"debug": False}
+
+Device = Annotated[str, typer.Option(help="auto (CUDA when available), cpu, cuda or cuda:N.")]
+Seed = Annotated[int, typer.Option(help="Random seed (subsets, sampling, training).")]
+BatchSize = Annotated[int, typer.Option(min=1, help="Inputs per batch.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
+Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
+DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.")]
+Download = Annotated[bool, typer.Option("--download", help="Download torchvision datasets if missing.")]
+Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.")]
+Head = Annotated[str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")]
+
+
+def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
+    """Apply the common options: progress bars off for --quiet/--json, seed torch."""
+    progress.set_enabled(not (quiet or as_json))
+    if seed is not None:
+        torch.manual_seed(seed)
+
+
+def device_of(name: str) -> torch.device:
+    return resolve_device(name)
+
+
+def load(spec: str, root: Path, download: bool, limit: int | None, seed: int) -> ArrayData:
+    return load_data(spec, root=root, download=download, limit=limit, seed=seed)
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.3e}"
+    return "—" if value is None else str(value)
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*[fmt(v) for v in r])
+    return t
+
+
+def metrics_table(title: str, results: dict[str, dict[str, float]]) -> Table:
+    """Rows = methods, columns = the union of metric names."""
+    names: list[str] = []
+    for m in results.values():
+        names += [k for k in m if k not in names]
+    return table(title, ["method", *names], [[method, *(m.get(n) for n in names)] for method, m in results.items()])
+
+
+def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> None:
+    """Print tables unless quiet; with --json print ``payload`` as JSON instead."""
+    if as_json:
+        typer.echo(to_json(payload))
+    elif not quiet:
+        for r in renderables:
+            stdout.print(r)
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2)

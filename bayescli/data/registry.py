@@ -1,0 +1,142 @@
+"""``--data NAME[:split]``: parse a data spec and load it as :class:`ArrayData`.
+
+Splits are deterministic: ``digits``, ``npz:`` and ``imagefolder:`` are split 70/10/20
+(train/val/test) by a seeded permutation; the torchvision sets keep their official test set
+and hold out a seeded 10% of the official training set as ``val``. Every split records its seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bayescli.data import sources
+from bayescli.data.base import ArrayData
+from bayescli.errors import BayescliError
+
+SPLITS = ("train", "val", "test")
+DEFAULT_SPLIT_SEED = 0
+_FRACTIONS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed ``--data`` value."""
+
+    name: str
+    split: str | None = None
+    path: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> DataSpec:
+        kind, _, rest = text.partition(":")
+        if kind in ("npz", "imagefolder"):
+            path, split = rest, None
+            head, sep, tail = rest.rpartition(":")
+            if sep and tail in SPLITS:
+                path, split = head, tail
+            if not path:
+                raise BayescliError(f"'{text}' needs a path, e.g. {kind}:data/batch.{kind if kind == 'npz' else ''}")
+            return cls(kind, split, path)
+        if kind not in DATASETS:
+            raise BayescliError(
+                f"unknown dataset '{kind}'; choose one of {', '.join(sorted(DATASETS))}, "
+                "npz:PATH or imagefolder:PATH"
+            )
+        if rest and rest not in SPLITS:
+            raise BayescliError(f"unknown split '{rest}' in '{text}'; use one of {', '.join(SPLITS)}")
+        return cls(kind, rest or None, None)
+
+    def __str__(self) -> str:
+        base = f"{self.name}:{self.path}" if self.path else self.name
+        return f"{base}:{self.split}" if self.split else base
+
+
+def _seeded_split(n: int, split: str, seed: int) -> torch.Tensor:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    lo, hi = _FRACTIONS[split]
+    return perm[int(round(lo * n)) : int(round(hi * n))].sort().values
+
+
+def _split_whole(data: ArrayData, split: str | None, seed: int) -> ArrayData:
+    """70/10/20 seeded split of a source without official splits."""
+    if split is None:
+        return data.subset(torch.arange(len(data)), split="all")
+    idx = _seeded_split(len(data), split, seed)
+    return data.subset(idx, split=split, split_seed=seed, split_fractions={"train": 0.7, "val": 0.1, "test": 0.2})
+
+
+Loader = Callable[[Path, bool, bool], ArrayData]  # (root, train, download) -> data
+
+
+def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int], ArrayData]:
+    """Wrap a train/test loader: ``val`` is a seeded 10% of the official training set."""
+
+    def load(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+        split = spec.split or "test"
+        if split == "test":
+            return loader(root, False, download).subset(slice(None), split="test")
+        full = loader(root, True, download)
+        perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed))
+        n_val = len(full) // 10
+        idx = (perm[:n_val] if split == "val" else perm[n_val:]).sort().values
+        return full.subset(idx, split=split, split_seed=seed, val_fraction_of_train=0.1)
+
+    return load
+
+
+def _digits(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+    return _split_whole(sources.digits(), spec.split or "test", seed)
+
+
+def _npz(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+    return _split_whole(sources.npz(Path(spec.path)), spec.split, seed)
+
+
+def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+    return _split_whole(sources.imagefolder(Path(spec.path)), spec.split, seed)
+
+
+DATASETS: dict[str, Callable[[DataSpec, Path, bool, int], ArrayData]] = {
+    "digits": _digits,
+    "mnist": _official(sources.mnist_family("mnist")),
+    "fashion-mnist": _official(sources.mnist_family("fashion-mnist")),
+    "kmnist": _official(sources.mnist_family("kmnist")),
+    "cifar10": _official(sources.cifar10),
+    "cifar100": _official(sources.cifar100),
+    "svhn": _official(sources.svhn),
+    "npz": _npz,
+    "imagefolder": _imagefolder,
+}
+
+
+def load_data(
+    spec: str | DataSpec,
+    root: str | Path = "data",
+    download: bool = False,
+    limit: int | None = None,
+    seed: int = 0,
+    split_seed: int = DEFAULT_SPLIT_SEED,
+) -> ArrayData:
+    """Load ``spec`` (e.g. ``digits:test``, ``cifar10:train``, ``npz:batch.npz``).
+
+    ``limit`` keeps a seeded random subset of that many rows (``seed``); ``split_seed`` fixes the
+    train/val/test partition. Non-finite inputs raise :class:`BayescliError`.
+    """
+    parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
+    data = DATASETS[parsed.name](parsed, Path(root), download, split_seed)
+    data.info = {"spec": str(parsed), **data.info}
+    if limit is not None:
+        if limit <= 0:
+            raise BayescliError(f"--limit must be positive, got {limit}")
+        if limit < len(data):
+            gen = torch.Generator().manual_seed(seed)
+            idx = torch.randperm(len(data), generator=gen)[:limit].sort().values
+            data = data.subset(idx, limit=limit, limit_seed=seed)
+    data.check_finite()
+    if len(data) == 0:
+        raise BayescliError(f"{parsed} is empty")
+    return data

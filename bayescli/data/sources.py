@@ -1,0 +1,211 @@
+"""Readers for each data source, returning whole sets as :class:`ArrayData`.
+
+torchvision does the downloading (``--download``); reading is done here where torchvision would
+insist on checksums of the files (CIFAR, SVHN) so that files in the official formats load
+whatever their origin. CIFAR's pickled "python version" is unpickled only after its MD5 matches
+the official release; the binary version needs no unpickling at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bayescli.data.base import ArrayData
+from bayescli.errors import BayescliError
+
+
+def _missing(name: str, root: Path, expected: str) -> BayescliError:
+    return BayescliError(
+        f"{name} not found under {root} (looked for {expected}); pass --data-root DIR, "
+        "or --download to fetch it"
+    )
+
+
+def digits() -> ArrayData:
+    """scikit-learn's bundled 8×8 digits: ``[1797, 1, 8, 8]`` float in [0, 1] (values/16)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    return ArrayData(x, y, [str(i) for i in range(10)], {"source": "sklearn.datasets.load_digits"})
+
+
+def npz(path: Path) -> ArrayData:
+    """Arrays ``x`` (``[N, ...]``; uint8 pixels or floats) and optional ``y`` (``[N]`` ints)."""
+    if not path.is_file():
+        raise BayescliError(f"npz file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if "x" not in f.files:
+                raise BayescliError(f"{path} has no array 'x' (found: {', '.join(f.files) or 'none'})")
+            x_np, y_np = f["x"], (f["y"] if "y" in f.files else None)
+            names = [str(s) for s in f["class_names"]] if "class_names" in f.files else None
+    except (ValueError, OSError) as exc:
+        raise BayescliError(f"cannot read {path} as .npz ({exc}); save with numpy.savez") from None
+    if x_np.dtype != np.uint8:
+        x_np = x_np.astype(np.float32)
+    x = torch.from_numpy(np.ascontiguousarray(x_np))
+    y = None
+    if y_np is not None:
+        if y_np.ndim != 1 or len(y_np) != len(x_np):
+            raise BayescliError(f"{path}: 'y' must be [N] with N={len(x_np)}, got {list(y_np.shape)}")
+        if not np.issubdtype(y_np.dtype, np.integer):
+            raise BayescliError(f"{path}: 'y' must hold integer class indices, got {y_np.dtype}")
+        y = torch.from_numpy(y_np.astype(np.int64))
+    k = int(y.max()) + 1 if y is not None and len(y) else 0
+    return ArrayData(x, y, names or [str(i) for i in range(k)], {"source": str(path)})
+
+
+def imagefolder(path: Path) -> ArrayData:
+    """A torchvision ``ImageFolder`` tree (``root/class/img.png``), resized to the first image's size."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms.functional import pil_to_tensor, resize
+
+    if not path.is_dir():
+        raise BayescliError(f"image folder not found: {path}")
+    try:
+        folder = ImageFolder(str(path), loader=lambda p: _open_rgb(p))
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise BayescliError(f"{path}: {exc}") from None
+    images, size = [], None
+    for img_path, _ in folder.samples:
+        t = pil_to_tensor(_open_rgb(img_path))
+        size = size or tuple(t.shape[1:])
+        images.append(t if tuple(t.shape[1:]) == size else resize(t, list(size), antialias=True))
+    x = torch.stack(images)
+    y = torch.tensor(folder.targets, dtype=torch.int64)
+    return ArrayData(x, y, list(folder.classes), {"source": str(path), "image_size": list(size)})
+
+
+def _open_rgb(path: str):  # noqa: ANN202 - PIL image
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise BayescliError(f"cannot read image {path} ({exc})") from None
+
+
+_MNIST_CLASSES = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "kmnist": "KMNIST"}
+
+
+def mnist_family(name: str) -> Callable[[Path, bool, bool], ArrayData]:
+    """Loader for MNIST, Fashion-MNIST or KMNIST via torchvision (idx files under ROOT/CLASS/raw)."""
+
+    def load(root: Path, train: bool, download: bool) -> ArrayData:
+        import torchvision.datasets as tvd
+
+        cls = getattr(tvd, _MNIST_CLASSES[name])
+        try:
+            ds = cls(str(root), train=train, download=download)
+        except RuntimeError as exc:
+            if "not found" in str(exc).lower():
+                raise _missing(name, root, f"{root}/{cls.__name__}/raw/*-idx*-ubyte") from None
+            raise BayescliError(f"{name}: {exc}") from None
+        x = ds.data.unsqueeze(1).contiguous()
+        return ArrayData(x, ds.targets.long(), [str(c) for c in ds.classes], {"source": f"torchvision.{cls.__name__}"})
+
+    return load
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def _read_cifar_binary(files: list[Path], label_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    record = label_bytes + 3072
+    raw = np.concatenate([np.fromfile(f, dtype=np.uint8) for f in files])
+    if raw.size % record:
+        raise BayescliError(f"{files[0].parent} holds truncated CIFAR binary files; re-download them")
+    raw = raw.reshape(-1, record)
+    x = torch.from_numpy(raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy())
+    y = torch.from_numpy(raw[:, label_bytes - 1].astype(np.int64))  # fine label is the last label byte
+    return x, y
+
+
+def _read_cifar_python(files: list[tuple[str, str]], folder: Path, label_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = [], []
+    for fname, md5 in files:
+        p = folder / fname
+        if _md5(p) != md5:
+            raise BayescliError(
+                f"{p} does not match the official CIFAR release (MD5); refusing to unpickle it. "
+                "Re-download with --download or use the binary version"
+            )
+        with open(p, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")  # official file, checksum verified above
+        xs.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        ys.append(np.asarray(entry[label_key], dtype=np.int64))
+    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+
+def _cifar(root: Path, train: bool, download: bool, hundred: bool) -> ArrayData:
+    import torchvision.datasets as tvd
+
+    name = "cifar100" if hundred else "cifar10"
+    cls = tvd.CIFAR100 if hundred else tvd.CIFAR10
+    bin_dir = root / ("cifar-100-binary" if hundred else "cifar-10-batches-bin")
+    py_dir = root / cls.base_folder
+    if hundred:
+        bin_files = [bin_dir / ("train.bin" if train else "test.bin")]
+        names_file = bin_dir / "fine_label_names.txt"
+    else:
+        bin_files = [bin_dir / f"data_batch_{i}.bin" for i in range(1, 6)] if train else [bin_dir / "test_batch.bin"]
+        names_file = bin_dir / "batches.meta.txt"
+    if all(f.is_file() for f in bin_files):
+        x, y = _read_cifar_binary(bin_files, 2 if hundred else 1)
+        names = names_file.read_text().split() if names_file.is_file() else [str(i) for i in range(100 if hundred else 10)]
+        source = f"{bin_dir} (binary version)"
+    else:
+        if download and not py_dir.is_dir():
+            cls(str(root), train=train, download=True)
+        files = cls.train_list if train else cls.test_list
+        if not all((py_dir / f).is_file() for f, _ in files):
+            raise _missing(name, root, f"{bin_dir.name}/ or {py_dir.name}/")
+        x, y = _read_cifar_python(files, py_dir, "fine_labels" if hundred else "labels")
+        meta = py_dir / cls.meta["filename"]
+        names = [str(i) for i in range(100 if hundred else 10)]
+        if meta.is_file() and _md5(meta) == cls.meta["md5"]:
+            with open(meta, "rb") as f:
+                names = list(pickle.load(f, encoding="latin1")[cls.meta["key"]])  # verified above
+        source = f"{py_dir} (python version, MD5 verified)"
+    return ArrayData(x, y, names, {"source": source})
+
+
+def cifar10(root: Path, train: bool, download: bool) -> ArrayData:
+    """CIFAR-10: ``[N, 3, 32, 32]`` uint8 from the binary or (checksum-verified) python version."""
+    return _cifar(root, train, download, hundred=False)
+
+
+def cifar100(root: Path, train: bool, download: bool) -> ArrayData:
+    """CIFAR-100 (fine labels), as :func:`cifar10`."""
+    return _cifar(root, train, download, hundred=True)
+
+
+def svhn(root: Path, train: bool, download: bool) -> ArrayData:
+    """SVHN cropped digits from ``{train,test}_32x32.mat`` (label 10 means digit 0)."""
+    from scipy.io import loadmat
+
+    split = "train" if train else "test"
+    path = root / f"{split}_32x32.mat"
+    if not path.is_file() and download:
+        import torchvision.datasets as tvd
+
+        tvd.SVHN(str(root), split=split, download=True)
+    if not path.is_file():
+        raise _missing("svhn", root, path.name)
+    try:
+        mat = loadmat(str(path))
+    except (ValueError, OSError) as exc:
+        raise BayescliError(f"cannot read {path} ({exc}); re-download it") from None
+    x = torch.from_numpy(np.ascontiguousarray(mat["X"].transpose(3, 2, 0, 1)))
+    y = torch.from_numpy(mat["y"].astype(np.int64).reshape(-1) % 10)
+    return ArrayData(x, y, [str(i) for i in range(10)], {"source": str(path)})

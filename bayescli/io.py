@@ -1,0 +1,162 @@
+"""File formats: atomic writes, JSON, safetensors with JSON metadata, state-dict checkpoints.
+
+Every writer goes through :func:`atomic_path`: data lands in a temporary file in the target's
+directory and is renamed over the target only once complete, so an error or Ctrl-C never leaves
+a half-written file. Readers never unpickle arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from bayescli.errors import BayescliError
+
+METADATA_KEY = "bayescli"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it to ``path`` on success only."""
+    target = Path(path)
+    if target.parent and not target.parent.exists():
+        raise BayescliError(f"output directory {target.parent} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
+
+
+def _finite_or_none(obj: Any) -> Any:
+    """JSON has no NaN/inf; write them as null so every reader can parse the file."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def to_json(obj: Any, indent: int | None = 2) -> str:
+    """Serialise ``obj`` (dicts, lists, numbers, tensors, paths) to strict JSON."""
+    plain = json.loads(json.dumps(obj, default=_json_default))
+    return json.dumps(_finite_or_none(plain), indent=indent, allow_nan=False)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as JSON, atomically."""
+    text = to_json(obj)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file, with a clear error when it is missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise BayescliError(f"file not found: {p}")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BayescliError(f"{p} is not valid JSON ({exc}); regenerate it") from None
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+    """Write ``tensors`` to a ``.safetensors`` file with ``metadata`` as a JSON header, atomically."""
+    plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    header = {METADATA_KEY: to_json(metadata, indent=None)}
+    with atomic_path(path) as tmp:
+        save_file(plain, str(tmp), metadata=header)
+
+
+def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a ``.safetensors`` file; returns ``(tensors, metadata)`` (metadata may be empty)."""
+    p = Path(path)
+    if not p.is_file():
+        raise BayescliError(f"file not found: {p}")
+    try:
+        tensors = load_file(str(p))
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="pt") as f:
+            raw = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BayescliError(
+            f"{p} is not a readable safetensors file ({str(exc).splitlines()[0]}); "
+            "it may be truncated or corrupt, re-create it"
+        ) from None
+    meta: dict = {}
+    if METADATA_KEY in raw:
+        try:
+            meta = json.loads(raw[METADATA_KEY])
+        except json.JSONDecodeError:
+            raise BayescliError(f"{p} has corrupt bayescli metadata; re-create it") from None
+    return tensors, meta
+
+
+def load_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load a checkpoint's state dict and metadata, never unpickling arbitrary objects.
+
+    ``.safetensors`` is preferred; ``.pt``/``.pth`` go through ``torch.load(weights_only=True)``,
+    which accepts only tensors and plain containers. A ``{"state_dict": ...}`` wrapper is unwrapped.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise BayescliError(f"checkpoint not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix == ".safetensors":
+        return load_tensors(p)
+    if suffix in (".pt", ".pth", ".bin", ".ckpt"):
+        try:
+            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for bad pickles
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BayescliError(
+                f"cannot load {p} as a weights-only state dict ({first[:200]}); "
+                "save it with torch.save(model.state_dict(), ...) or convert it to .safetensors"
+            ) from None
+        if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+            obj = obj["state_dict"]
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise BayescliError(f"{p} does not hold a state dict of tensors; save model.state_dict()")
+        return dict(obj), {}
+    raise BayescliError(
+        f"unsupported checkpoint format '{suffix or p.name}': use .safetensors (preferred) or a "
+        "state-dict .pt/.pth"
+    )
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

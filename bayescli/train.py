@@ -1,0 +1,123 @@
+"""The small trainer behind ``bayescli train``: demo and test checkpoints, since pretrained
+weights cannot be downloaded everywhere.
+
+Adam with decoupled weight decay, a cosine learning-rate schedule, seeded shuffling. The
+per-channel normalisation statistics of the training inputs become part of the model wrapper.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bayescli import __version__
+from bayescli.data import ArrayData
+from bayescli.errors import BayescliError
+from bayescli.io import save_tensors
+from bayescli.models import Classifier, ModelSpec, builtin_names, _build, _last_linear
+from bayescli.progress import track
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (recorded in the checkpoint)."""
+
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    seed: int = 0
+
+
+def channel_stats(data: ArrayData, max_rows: int = 20_000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the inputs (per column for flat data) ``([C], [C])``."""
+    x = data.inputs(slice(0, max_rows))
+    dims = [0, 2, 3] if x.dim() == 4 else [0]
+    if x.dim() not in (2, 4):
+        x, dims = x.flatten(1), [0]
+    mean, std = x.mean(dims), x.std(dims).clamp_min(1e-3)
+    return mean.tolist(), std.tolist()
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: ArrayData, device: torch.device, batch_size: int = 512) -> float:
+    """Top-1 accuracy of ``model`` on labelled ``data``."""
+    model.eval()
+    correct = 0
+    for xb, yb in data.batches(batch_size):
+        correct += int((model(xb.to(device)).argmax(1).cpu() == yb).sum())
+    return correct / len(data)
+
+
+def train_classifier(
+    model: str,
+    train: ArrayData,
+    val: ArrayData | None = None,
+    config: TrainConfig | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[Classifier, dict]:
+    """Train ``builtin:NAME`` on ``train``; returns the classifier and a history/metadata dict."""
+    cfg = config or TrainConfig()
+    spec = ModelSpec.parse(model)
+    if spec.kind != "builtin":
+        raise BayescliError(
+            f"bayescli train trains builtin models only ({', '.join(builtin_names())}); "
+            f"got {spec}. Train other architectures with your own code and pass the checkpoint"
+        )
+    if train.y is None:
+        raise BayescliError(f"{train.spec} has no labels; training needs labelled data")
+    device = torch.device(device)
+    torch.manual_seed(cfg.seed)
+    k = train.num_classes
+    net = _build(spec, k, train.input_shape, {})
+    mean, std = channel_stats(train)
+    clf = Classifier(net, _last_linear(net), mean, std).to(device)
+    opt = torch.optim.AdamW(clf.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.15
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses: list[float] = []
+    for _ in track(range(cfg.epochs), total=cfg.epochs, description=f"training {spec}"):
+        clf.train()
+        perm = torch.randperm(len(train), generator=gen)
+        total = 0.0
+        for start in range(0, len(train), cfg.batch_size):
+            idx = perm[start : start + cfg.batch_size]
+            xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
+            loss = loss_fn(clf(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        losses.append(total / len(train))
+    clf.eval()
+    meta = {
+        "format": "bayescli-checkpoint",
+        "format_version": 1,
+        "bayescli_version": __version__,
+        "model": str(spec),
+        "model_kwargs": {},
+        "input_shape": list(train.input_shape),
+        "num_classes": k,
+        "class_names": train.class_names,
+        "normalisation": {"mean": mean, "std": std},
+        "data": train.info,
+        "training": asdict(cfg),
+        "train_loss": losses,
+        "train_accuracy": accuracy(clf, train, device),
+        "val_accuracy": accuracy(clf, val, device) if val is not None and val.y is not None else None,
+    }
+    return clf, meta
+
+
+def save_checkpoint(path: str | Path, classifier: Classifier, metadata: dict) -> None:
+    """Write the network's state dict (without the wrapper) and ``metadata`` as safetensors."""
+    save_tensors(path, dict(classifier.net.state_dict()), metadata)
