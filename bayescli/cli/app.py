@@ -11,6 +11,9 @@ import typer
 from bayescli import __version__
 from bayescli.cli import common
 from bayescli.cli.demo import demo
+from bayescli.cli.fit import fit_laplace_cmd
+from bayescli.cli.predict import predict_cmd
+from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
 from bayescli.errors import BayescliError
 
@@ -39,6 +42,9 @@ def _root(
 
 
 app.command()(train)
+app.command("fit-laplace")(fit_laplace_cmd)
+app.command("predict")(predict_cmd)
+app.command("topk")(topk_cmd)
 app.command()(demo)
 
 

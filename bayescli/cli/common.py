@@ -13,8 +13,10 @@ from rich.table import Table
 
 from bayescli import progress
 from bayescli.data import ArrayData, load_data
-from bayescli.features import resolve_device
+from bayescli.errors import BayescliError
+from bayescli.features import extract_features, resolve_device
 from bayescli.io import to_json
+from bayescli.posterior.laplace import LaplacePosterior
 
 stdout = Console()
 state = {"debug": False}
@@ -43,6 +45,41 @@ def device_of(name: str) -> torch.device:
 
 def load(spec: str, root: Path, download: bool, limit: int | None, seed: int) -> ArrayData:
     return load_data(spec, root=root, download=download, limit=limit, seed=seed)
+
+
+def check_labels(data: ArrayData, num_classes: int) -> None:
+    """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier."""
+    if data.y is not None and len(data.y) and int(data.y.max()) >= num_classes:
+        raise BayescliError(
+            f"{data.spec} has labels up to {int(data.y.max())} but the model has {num_classes} "
+            "classes; use data with the model's classes"
+        )
+
+
+def prepare_prediction(posterior: Path, checkpoint: Path | None, data: str, root: Path, download: bool,
+                       limit: int | None, seed: int, batch_size: int, device: str):
+    """Load a posterior, its model (hash-verified) and the data, and extract features once."""
+    post = LaplacePosterior.load(posterior)
+    model = post.load_model(checkpoint)
+    test = load(data, root, download, limit, seed)
+    check_labels(test, model.classifier.num_classes)
+    feats = extract_features(model, test, batch_size, device_of(device))
+    model.classifier.cpu()
+    return post, model, test, feats
+
+
+def posterior_summary(post: LaplacePosterior) -> dict:
+    """The posterior facts every report repeats."""
+    keys = ("model", "checkpoint", "checkpoint_sha256", "data", "num_classes")
+    return {
+        "subset": post.subset.value,
+        "hessian": post.structure,
+        "curvature": post.curvature.value,
+        "prior_precision": post.prior_precision,
+        "prior_method": post.meta.get("prior", {}).get("method"),
+        "n_data": post.n_data,
+        **{k: post.meta.get(k) for k in keys},
+    }
 
 
 def fmt(value: Any) -> str:

@@ -1,0 +1,102 @@
+"""``bayescli fit-laplace``: fit a Laplace approximation and write a posterior file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bayescli.cli import common as c
+from bayescli.errors import BayescliError
+from bayescli.features import extract_features
+from bayescli.models import load_classifier
+from bayescli.posterior.curvature import Backend, CurvatureType, HessianStructure
+from bayescli.posterior.laplace import Subset, fit_laplace
+from bayescli.predictive.glm import Predictive
+from bayescli.predictive.links import Link
+from bayescli.predictive.tuning import tune_prior_val_nll
+
+
+def parse_prior(text: str) -> float | str:
+    if text in ("auto", "val-nll"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise BayescliError(f"--prior-precision must be a positive number, auto or val-nll; got '{text}'") from None
+    if not value > 0:
+        raise BayescliError(f"--prior-precision must be positive, got {value}")
+    return value
+
+
+def fit_laplace_cmd(
+    model: Annotated[str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME or py:module:factory.")],
+    checkpoint: Annotated[Path, typer.Option(help=".safetensors (preferred) or state-dict .pt/.pth.")],
+    out: Annotated[Path, typer.Option(help="Posterior file to write (.safetensors).")],
+    data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
+    subset: Annotated[Subset, typer.Option(help="Which weights get a posterior.")] = Subset.LAST_LAYER,
+    hessian: Annotated[HessianStructure, typer.Option(help="Curvature structure.")] = HessianStructure.KRON,
+    curvature: Annotated[CurvatureType, typer.Option(help="ggn (exact), ggn-mc (1 MC label) or ef.")] = CurvatureType.GGN,
+    backend: Annotated[Backend, typer.Option(help="Curvature engine for the last layer.")] = Backend.AUTO,
+    prior_precision: Annotated[str, typer.Option(help="A positive number, auto (marginal likelihood) or val-nll.")] = "auto",
+    val_data: Annotated[str | None, typer.Option(help="Validation spec for val-nll (default: the val split).")] = None,
+    predictive: Annotated[Predictive, typer.Option(help="Predictive used by val-nll.")] = Predictive.GLM,
+    link: Annotated[Link, typer.Option(help="Link used by val-nll.")] = Link.PROBIT,
+    head: c.Head = None,
+    data_root: c.DataRoot = Path("data"),
+    download: c.Download = False,
+    limit: c.Limit = None,
+    batch_size: c.BatchSize = 256,
+    device: c.Device = "auto",
+    seed: c.Seed = 0,
+    quiet: c.Quiet = False,
+    as_json: c.Json = False,
+) -> None:
+    """Fit a Laplace approximation to a trained classifier.
+
+    Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
+    --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
+    """
+    c.setup(quiet, as_json, seed)
+    if out.suffix != ".safetensors":
+        raise typer.BadParameter("posterior files are .safetensors", param_hint="--out")
+    prior = parse_prior(prior_precision)
+    dev = c.device_of(device)
+    loaded = load_classifier(model, checkpoint, head)
+    fit_data = c.load(data, data_root, download, limit, seed)
+    c.check_labels(fit_data, loaded.classifier.num_classes)
+    feats = extract_features(loaded, fit_data, batch_size, dev)
+    clf = loaded.classifier.cpu()
+    batches = list(fit_data.batches(batch_size)) if subset is Subset.ALL else None
+    initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below
+    post = fit_laplace(clf, feats.phi, feats.labels, batches, subset, hessian, curvature, backend,
+                       initial, batch_size=max(batch_size, 1024), seed=seed)
+    if prior == "val-nll":
+        spec = val_data or f"{data.split(':')[0]}:val"
+        val = c.load(spec, data_root, download, None, seed)
+        c.check_labels(val, clf.num_classes)
+        val_feats = extract_features(loaded, val, batch_size, dev)
+        tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
+    post.meta |= {
+        **loaded.describe(),
+        "class_names": loaded.class_names,
+        "data": fit_data.info,
+        "backend": backend.value,
+    }
+    post.save(out)
+    summary = {
+        "posterior": str(out),
+        "subset": subset.value,
+        "hessian": hessian.value,
+        "curvature": curvature.value,
+        "parameters": post.gaussian.num_params,
+        "n_data": post.n_data,
+        "prior_precision": post.prior_precision,
+        "prior_method": post.meta["prior"]["method"],
+        "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
+        "fit_seconds": post.meta["fit_seconds"],
+        "forward_seconds": feats.seconds,
+    }
+    c.show(quiet, as_json, c.table("Laplace posterior", ["", "value"], [[k, v] for k, v in summary.items()]),
+           payload=summary)

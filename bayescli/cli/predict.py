@@ -1,0 +1,145 @@
+"""``bayescli predict``: predictive probabilities (and Dirichlets) from a posterior file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from bayescli import __version__
+from bayescli.cli import common as c
+from bayescli.errors import BayescliError
+from bayescli.io import save_tensors, write_json
+from bayescli.metrics import classification_summary, entropy
+from bayescli.predictive import dirichlet
+from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
+from bayescli.predictive.glm import Predictive, predict
+from bayescli.predictive.links import Link
+
+MAX_SAVED_COV = 200_000_000  # N·K² floats written by --save-logits
+
+
+def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-input Dirichlet quantities written by ``--bridge`` / ``--dirichlet``."""
+    return {
+        "alpha": alpha,
+        "dirichlet_mean": dirichlet.mean(alpha),
+        "dirichlet_variance": dirichlet.variance(alpha),
+        "alpha0": dirichlet.precision(alpha),
+        "entropy_of_mean": dirichlet.entropy_of_mean(alpha),
+        "expected_entropy": dirichlet.expected_entropy(alpha),
+        "mutual_information": dirichlet.mutual_information(alpha),
+    }
+
+
+def rows(probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], extra: dict[str, torch.Tensor]) -> list[dict]:
+    """Per-input JSON rows: prediction, top-5, uncertainty, label."""
+    top_p, top_i = probs.topk(min(5, probs.shape[1]), dim=1)
+    ent = entropy(probs)
+    out = []
+    for n in range(len(probs)):
+        row = {
+            "index": n,
+            "predicted": int(top_i[n, 0]),
+            "predicted_name": names[int(top_i[n, 0])],
+            "top5": [[int(i), float(p)] for i, p in zip(top_i[n], top_p[n], strict=True)],
+            "max_prob": float(top_p[n, 0]),
+            "entropy": float(ent[n]),
+        }
+        if labels is not None:
+            row["label"] = int(labels[n])
+        for key, value in extra.items():
+            row[key] = value[n].tolist()
+        out.append(row)
+    return out
+
+
+def predict_cmd(
+    posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
+    data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test or npz:batch.npz.")],
+    out: Annotated[Path | None, typer.Option(help="Write .json (summary + rows) or .safetensors (arrays).")] = None,
+    predictive: Annotated[Predictive, typer.Option(help="glm (linearised) or bnn (sampled network).")] = Predictive.GLM,
+    link: Annotated[Link, typer.Option(help="How logit Gaussians become probabilities.")] = Link.PROBIT,
+    bridge: Annotated[bool, typer.Option("--bridge", help="Laplace-bridge Dirichlet output (= --link bridge).")] = False,
+    fit_dirichlet: Annotated[bool, typer.Option("--dirichlet", help="With --link mc: fit a Dirichlet to the samples.")] = False,
+    correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
+    samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn.")] = 1000,
+    save_logits: Annotated[bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")] = False,
+    checkpoint: Annotated[Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")] = None,
+    data_root: c.DataRoot = Path("data"),
+    download: c.Download = False,
+    limit: c.Limit = None,
+    batch_size: c.BatchSize = 256,
+    device: c.Device = "auto",
+    seed: c.Seed = 0,
+    quiet: c.Quiet = False,
+    as_json: c.Json = False,
+) -> None:
+    """Predict with a Laplace posterior; MAP is shown next to it when labels are known.
+
+    Example: bayescli predict --posterior posterior.safetensors --data digits:test --link probit --out pred.json
+    """
+    c.setup(quiet, as_json, seed)
+    if bridge:
+        if link not in (Link.PROBIT, Link.BRIDGE):
+            raise typer.BadParameter("--bridge implies --link bridge", param_hint="--link")
+        link = Link.BRIDGE
+    if fit_dirichlet and link is not Link.MC:
+        raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
+    if out is not None and out.suffix not in (".json", ".safetensors"):
+        raise typer.BadParameter("use a .json or .safetensors file", param_hint="--out")
+    if save_logits and (out is None or out.suffix != ".safetensors"):
+        raise typer.BadParameter("--save-logits needs --out FILE.safetensors", param_hint="--save-logits")
+    post, model, test, feats = c.prepare_prediction(posterior, checkpoint, data, data_root, download, limit,
+                                                    seed, batch_size, device)
+    pred = predict(post, feats, predictive, link, samples, seed, model.classifier, test, correction, fit_dirichlet)
+    map_probs = feats.logits.softmax(-1)
+    method = f"{predictive.value}-{link.value}"
+    results = {"map": classification_summary(map_probs, feats.labels),
+               method: classification_summary(pred.probs, feats.labels)}
+    extra = dirichlet_fields(pred.alpha) if pred.alpha is not None else {}
+    if extra:
+        results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
+        results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
+    report = {
+        "schema_version": 1,
+        "kind": "prediction",
+        "bayescli_version": __version__,
+        "posterior": str(posterior),
+        "posterior_summary": c.posterior_summary(post),
+        "data": test.info,
+        "predictive": predictive.value,
+        "link": link.value,
+        "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,
+        "bridge_correction": correction.value if link is Link.BRIDGE else None,
+        "seed": seed,
+        "results": results,
+        "timings": pred.timings,
+    }
+    if out is not None and out.suffix == ".json":
+        row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
+        write_json(out, {**report, "rows": rows(pred.probs, feats.labels, model.class_names, row_extra)})
+    elif out is not None:
+        tensors = {"probs": pred.probs, **extra}
+        if feats.labels is not None:
+            tensors["labels"] = feats.labels
+        if pred.std is not None:
+            tensors["probs_std"] = pred.std
+        if save_logits:
+            tensors["logit_mean"] = pred.logits.mean
+            if pred.logits.kind == "diag":
+                tensors["logit_var"] = pred.logits.var
+            elif pred.logits.mean.numel() * pred.logits.num_classes > MAX_SAVED_COV:
+                raise BayescliError(
+                    f"--save-logits would write {pred.logits.mean.numel() * pred.logits.num_classes:,} "
+                    "covariance entries; use --limit or a smaller batch of inputs"
+                )
+            else:
+                tensors["logit_cov"] = pred.logits.covariance()
+        save_tensors(out, tensors, report)
+    c.show(quiet, as_json,
+           c.metrics_table(f"{test.spec}: {len(test)} inputs", results),
+           c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in pred.timings.items()]),
+           payload=report)

@@ -1,0 +1,300 @@
+"""Laplace approximations of a trained classifier: fit, tune the prior, save, load.
+
+``q(θ) = N(θ*, (H + δI)⁻¹)`` with ``θ*`` the trained weights (the MAP), ``H`` the curvature
+of the summed cross-entropy on the fitting data (:mod:`bayescli.posterior.curvature`) and ``δ``
+an isotropic prior precision (prior mean zero).
+
+* ``subset="last-layer"``: ``θ`` are the head's weights and bias ``W̃ [K, D+1]``; fitted on
+  detached features, so the backbone runs once. Structures ``diag``, ``kron``, ``full``.
+* ``subset="all"``: every parameter of the network; ``diag`` (BackPACK ``DiagGGNExact``) or
+  ``full`` (≤ 20,000 parameters).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bayescli import __version__
+from bayescli.errors import BayescliError
+from bayescli.io import load_tensors, save_tensors
+from bayescli.models import Classifier, LoadedModel, load_classifier
+from bayescli.posterior.curvature import (
+    Backend,
+    Curvature,
+    CurvatureType,
+    HessianStructure,
+    all_layer_curvature,
+    last_layer_curvature,
+    network_jacobian,
+)
+from bayescli.posterior.gaussian import (
+    DiagGaussian,
+    FullGaussian,
+    KronGaussian,
+    LogitGaussian,
+    WeightGaussian,
+    augment,
+)
+from bayescli.posterior.prior import log_marglik, optimise_marglik
+
+FORMAT = "bayescli-posterior"
+FORMAT_VERSION = 1
+
+
+class Subset(str, Enum):
+    LAST_LAYER = "last-layer"
+    ALL = "all"
+
+
+def head_parameters(head: nn.Linear) -> torch.Tensor:
+    """``W̃ = [W, b]`` ``[K, D+1]`` (``W`` alone for a head without bias)."""
+    w = head.weight.detach()
+    return torch.cat([w, head.bias.detach()[:, None]], 1) if head.bias is not None else w.clone()
+
+
+def _gaussian(curv: Curvature, mean: torch.Tensor, delta: float) -> WeightGaussian:
+    if curv.structure is HessianStructure.DIAG:
+        return DiagGaussian(mean, curv.diag.reshape(mean.shape), delta)
+    if curv.structure is HessianStructure.KRON:
+        return KronGaussian(mean, *curv.kron, delta)
+    return FullGaussian(mean, curv.full, delta)
+
+
+@dataclass
+class LaplacePosterior:
+    """A fitted Laplace approximation plus what it was fitted on.
+
+    ``gaussian`` holds ``θ*``, the curvature and ``δ``; ``meta`` the provenance written to the
+    posterior file (model spec, checkpoint hash, data spec, prior choice, …).
+    """
+
+    gaussian: WeightGaussian
+    subset: Subset
+    curvature: CurvatureType
+    head_bias: bool
+    n_data: int
+    log_likelihood: float | None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def structure(self) -> str:
+        return self.gaussian.structure
+
+    @property
+    def prior_precision(self) -> float:
+        return self.gaussian.delta
+
+    # -- fitting ------------------------------------------------------------------------------
+
+    @classmethod
+    def fit_last_layer(
+        cls,
+        phi: torch.Tensor,
+        labels: torch.Tensor | None,
+        head: nn.Linear,
+        structure: HessianStructure | str = HessianStructure.KRON,
+        curvature: CurvatureType | str = CurvatureType.GGN,
+        backend: Backend | str = Backend.AUTO,
+        batch_size: int = 1024,
+        seed: int = 0,
+    ) -> LaplacePosterior:
+        """Fit on features ``phi [N, D]`` of the fitting data (labels ``[N]`` for ``ef``/marglik)."""
+        if not torch.isfinite(phi).all():
+            raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
+        mean = head_parameters(head).to(phi.dtype)
+        bias = head.bias is not None
+        phi_aug = augment(phi) if bias else phi
+        curv = last_layer_curvature(phi_aug, mean, labels, structure, curvature, backend, batch_size, seed)
+        log_lik = None
+        if labels is not None:
+            logits = phi_aug @ mean.T
+            log_lik = -nn.functional.cross_entropy(logits.double(), labels, reduction="sum").item()
+        return cls(_gaussian(curv, mean, 1.0), Subset.LAST_LAYER, CurvatureType(curvature), bias,
+                   curv.n_data, log_lik)
+
+    @classmethod
+    def fit_all_layers(
+        cls,
+        classifier: Classifier,
+        batches: list[tuple[torch.Tensor, torch.Tensor | None]],
+        structure: HessianStructure | str = HessianStructure.DIAG,
+        curvature: CurvatureType | str = CurvatureType.GGN,
+        seed: int = 0,
+    ) -> LaplacePosterior:
+        """Fit over all parameters of ``classifier.net`` on pixel-space ``batches``."""
+        net = classifier.net
+        normed = [(classifier.normalise(x), y) for x, y in batches]
+        curv = all_layer_curvature(net, iter(normed), structure, curvature, seed)
+        mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        log_lik = None
+        if all(y is not None for _, y in normed):
+            with torch.no_grad():
+                log_lik = -sum(
+                    nn.functional.cross_entropy(net(x).double(), y, reduction="sum").item() for x, y in normed
+                )
+        return cls(_gaussian(curv, mean, 1.0), Subset.ALL, CurvatureType(curvature), False,
+                   curv.n_data, log_lik)
+
+    # -- prior --------------------------------------------------------------------------------
+
+    def set_prior_precision(self, delta: float, method: str = "fixed", curve: list | None = None) -> None:
+        """Use ``δ`` from now on and record how it was chosen."""
+        if not delta > 0:
+            raise BayescliError(f"prior precision must be positive, got {delta}")
+        self.gaussian.with_delta(delta)
+        self.meta["prior"] = {"value": float(delta), "method": method, "curve": curve or []}
+
+    def optimise_prior_marglik(self) -> float:
+        """Set ``δ`` to the maximiser of the Laplace marginal likelihood; returns it."""
+        if self.log_likelihood is None:
+            raise BayescliError("--prior-precision auto needs labelled fitting data; pass a float instead")
+        delta, curve = optimise_marglik(self.gaussian, self.log_likelihood)
+        self.set_prior_precision(delta, "marglik", curve)
+        return delta
+
+    def log_marglik(self, delta: float | None = None) -> float:
+        """Laplace log marginal likelihood at ``δ`` (default: the current one)."""
+        if self.log_likelihood is None:
+            raise BayescliError("the marginal likelihood needs labelled fitting data")
+        return float(log_marglik(self.gaussian, self.log_likelihood, delta or self.prior_precision))
+
+    # -- prediction ---------------------------------------------------------------------------
+
+    def logit_gaussian(self, phi: torch.Tensor) -> LogitGaussian:
+        """GLM logit Gaussian for last-layer features ``phi [N, D]`` (no per-input Jacobian)."""
+        if self.subset is not Subset.LAST_LAYER:
+            raise BayescliError("this posterior covers all layers; use logit_gaussian_inputs")
+        phi_aug = augment(phi) if self.head_bias else phi
+        return self.gaussian.push_last_layer(phi_aug.to(self.gaussian.mean.dtype))
+
+    def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
+        """GLM logit Gaussian ``N(f(x), J Σ Jᵀ)`` for all-layer posteriors, ``x [N, ...]`` in pixel space."""
+        f, jac = network_jacobian(classifier.net, classifier.normalise(x))
+        return self.gaussian.push_jacobian(f, jac)
+
+    def sample_logits(self, num: int, classifier: Classifier, x: torch.Tensor | None,
+                      phi: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+        """BNN predictive: logits ``[M, N, K]`` of the *network* at ``M`` posterior weight draws."""
+        draws = self.gaussian.sample(num, generator)
+        if self.subset is Subset.LAST_LAYER:
+            phi_aug = augment(phi) if self.head_bias else phi
+            w = draws.reshape(num, *self.gaussian.mean.shape)
+            return torch.einsum("nd,mkd->mnk", phi_aug.to(w.dtype), w)
+        from torch.func import functional_call
+
+        shapes = [(name, p.shape, p.numel()) for name, p in classifier.net.named_parameters()]
+        xn = classifier.normalise(x)
+        out = []
+        for theta in draws:
+            params, offset = {}, 0
+            for name, shape, size in shapes:
+                params[name] = theta[offset : offset + size].reshape(shape)
+                offset += size
+            with torch.no_grad():
+                out.append(functional_call(classifier.net, params, (xn,)))
+        return torch.stack(out)
+
+    def load_model(self, checkpoint: str | Path | None = None) -> LoadedModel:
+        """Re-create the network the posterior was fitted on, verifying the checkpoint's hash.
+
+        ``checkpoint`` overrides the recorded path (the hash must still match).
+        """
+        for key in ("model", "checkpoint", "checkpoint_sha256"):
+            if key not in self.meta:
+                raise BayescliError(f"the posterior file lacks '{key}'; refit it with fit-laplace")
+        model = load_classifier(self.meta["model"], checkpoint or self.meta["checkpoint"],
+                                self.meta.get("head"), self.meta["checkpoint_sha256"])
+        if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
+            raise BayescliError(
+                f"the posterior has {self.meta['num_classes']} classes but the model has "
+                f"{model.classifier.num_classes}; use the matching checkpoint"
+            )
+        return model
+
+    # -- files --------------------------------------------------------------------------------
+
+    def metadata(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "bayescli_version": __version__,
+            "method": "laplace",
+            "subset": self.subset.value,
+            "hessian": self.structure,
+            "curvature": self.curvature.value,
+            "head_bias": self.head_bias,
+            "n_data": self.n_data,
+            "log_likelihood": self.log_likelihood,
+            "prior_precision": self.prior_precision,
+            **self.meta,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write tensors and metadata to ``.safetensors`` (atomically)."""
+        save_tensors(path, self.gaussian.tensors(), self.metadata())
+
+    @classmethod
+    def load(cls, path: str | Path) -> LaplacePosterior:
+        """Read a posterior file written by :meth:`save`."""
+        tensors, meta = load_tensors(path)
+        if meta.get("format") != FORMAT:
+            raise BayescliError(f"{path} is not a bayescli posterior file; create one with fit-laplace")
+        if meta.get("format_version", 0) > FORMAT_VERSION:
+            raise BayescliError(f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade")
+        delta = float(meta["prior_precision"])
+        mean = tensors["mean"]
+        structure = meta["hessian"]
+        try:
+            if structure == "diag":
+                gauss: WeightGaussian = DiagGaussian(mean, tensors["curvature_diag"], delta)
+            elif structure == "kron":
+                gauss = KronGaussian(mean, tensors["kron_G"], tensors["kron_A"], delta)
+            else:
+                gauss = FullGaussian(mean, tensors["curvature_full"], delta)
+        except (KeyError, ValueError) as exc:
+            raise BayescliError(f"{path} is missing or has malformed tensors ({exc}); refit it") from None
+        keep = {k: v for k, v in meta.items() if k not in _OWN_KEYS}
+        return cls(gauss, Subset(meta["subset"]), CurvatureType(meta["curvature"]), bool(meta["head_bias"]),
+                   int(meta["n_data"]), meta.get("log_likelihood"), keep)
+
+
+_OWN_KEYS = {"format", "format_version", "bayescli_version", "method", "subset", "hessian", "curvature",
+             "head_bias", "n_data", "log_likelihood", "prior_precision"}
+
+
+def fit_laplace(
+    classifier: Classifier,
+    phi: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    subset: Subset | str = Subset.LAST_LAYER,
+    structure: HessianStructure | str = HessianStructure.KRON,
+    curvature: CurvatureType | str = CurvatureType.GGN,
+    backend: Backend | str = Backend.AUTO,
+    prior_precision: float | str = "auto",
+    batch_size: int = 1024,
+    seed: int = 0,
+) -> LaplacePosterior:
+    """Fit a Laplace approximation and set its prior precision (a float, or ``"auto"`` = marglik).
+
+    Last layer: pass ``phi [N, D]`` (and ``labels``); all layers: pass pixel-space ``batches``.
+    ``val-nll`` tuning needs a predictive and lives in :mod:`bayescli.predictive.tuning`.
+    """
+    start = time.perf_counter()
+    if Subset(subset) is Subset.LAST_LAYER:
+        post = LaplacePosterior.fit_last_layer(phi, labels, classifier.head, structure, curvature,
+                                               backend, batch_size, seed)
+    else:
+        post = LaplacePosterior.fit_all_layers(classifier, batches, structure, curvature, seed)
+    if prior_precision == "auto":
+        post.optimise_prior_marglik()
+    else:
+        post.set_prior_precision(float(prior_precision))
+    post.meta["fit_seconds"] = time.perf_counter() - start
+    return post
