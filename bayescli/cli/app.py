@@ -49,7 +49,7 @@ app.command()(demo)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI: exit 0 ok, 1 a ``--fail-if`` gate failed, 2 bad usage or input."""
+    """Run the CLI: exit 0 ok, 1 a ``--fail-if`` gate failed, 2 bad usage or input, 3 a bug."""
     try:
         rv = app(args=argv, standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -65,4 +65,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except Exception as exc:
+        if common.state["debug"]:
+            raise
+        typer.echo(f"internal error: {type(exc).__name__}: {exc}; rerun with --debug and report it", err=True)
+        sys.exit(3)
     sys.exit(rv if isinstance(rv, int) else 0)

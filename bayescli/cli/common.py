@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,7 +18,8 @@ from bayescli.features import extract_features, resolve_device
 from bayescli.io import to_json
 from bayescli.posterior.laplace import LaplacePosterior
 
-stdout = Console()
+# Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
+stdout = Console(width=None if sys.stdout.isatty() else 160)
 state = {"debug": False}
 
 Device = Annotated[str, typer.Option(help="auto (CUDA when available), cpu, cuda or cuda:N.")]
@@ -112,7 +113,3 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
     elif not quiet:
         for r in renderables:
             stdout.print(r)
-
-
-def dump(obj: Any) -> str:
-    return json.dumps(obj, indent=2)

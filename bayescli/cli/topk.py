@@ -20,7 +20,7 @@ def topk_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test.")],
     out: Annotated[Path | None, typer.Option(help="Write sets and summary as JSON.")] = None,
-    threshold: Annotated[float, typer.Option(min=0.0, max=1.0, min_open=True, max_open=True, help="Overlap level T.")] = 0.05,
+    threshold: Annotated[float, typer.Option(min=1e-9, max=1 - 1e-9, help="Overlap level T in (0, 1).")] = 0.05,
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
     checkpoint: Annotated[Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")] = None,

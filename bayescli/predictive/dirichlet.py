@@ -55,8 +55,11 @@ def correct(mean: torch.Tensor, var: torch.Tensor, rowsum: torch.Tensor,
         return mu, var
     rowsum = rowsum.double()
     total = rowsum.sum(-1, keepdim=True)  # 1ᵀΣ1
-    mu = mu - rowsum * mu.sum(-1, keepdim=True) / total
-    var = var - rowsum.pow(2) / total
+    # A Σ with 1ᵀΣ1 ≈ 0 (e.g. eq. 6's) already lives on the zero-sum subspace: nothing to do.
+    degenerate = total <= 1e-12 * var.sum(-1, keepdim=True)
+    safe = torch.where(degenerate, torch.ones_like(total), total)
+    mu = torch.where(degenerate, mu, mu - rowsum * mu.sum(-1, keepdim=True) / safe)
+    var = torch.where(degenerate, var, var - rowsum.pow(2) / safe)
     if correction is BridgeCorrection.NORM:
         c = var.mean(-1, keepdim=True) / math.sqrt(mu.shape[-1] / 2)
         mu, var = mu / c.sqrt(), var / c

@@ -1,0 +1,122 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracles import eq7
+
+from bayescli.errors import BayescliError
+from bayescli.predictive import dirichlet
+from bayescli.predictive.dirichlet import bridge_alpha, laplace_bridge
+
+
+@pytest.mark.parametrize(("k", "scale"), [(3, 1.0), (10, 5.0), (1000, 1.0), (50, 80.0)])
+def test_alpha_matches_direct_transcription_of_eq7(k, scale):
+    gen = torch.Generator().manual_seed(k)
+    mu = (torch.rand(20, k, generator=gen, dtype=torch.float64) * 2 - 1) * scale  # |μ| up to 80
+    var = torch.rand(20, k, generator=gen, dtype=torch.float64) + 0.01
+    ours = laplace_bridge(mu, var, correction="none")
+    assert torch.allclose(ours, eq7(mu, var), rtol=1e-10)
+
+
+def test_bridge_survives_logits_that_break_the_direct_formula():
+    """Eq. 7 is shift-invariant in μ; the log-space form keeps it so where exp over/underflows."""
+    mu = torch.tensor([[750.0, 740.0, 745.0]], dtype=torch.float64)
+    var = torch.tensor([[0.5, 1.0, 2.0]], dtype=torch.float64)
+    with np.errstate(all="ignore"):
+        assert not torch.isfinite(eq7(mu, var)).all()  # e^750 = inf, e^-740 = 0
+    alpha = bridge_alpha(mu, var)
+    assert torch.allclose(alpha, eq7(mu - 745.0, var), rtol=1e-10)
+    big = torch.tensor([[60.0, -60.0, 0.0]])  # float32: e^120 overflows, α does not
+    assert torch.isfinite(laplace_bridge(big, torch.ones(1, 3), "none")).all()
+
+
+def test_zero_sum_correction_matches_matrix_formula():
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    a = torch.randn(8, 5, 5, generator=gen, dtype=torch.float64)
+    cov = a @ a.transpose(1, 2)
+    one = torch.ones(5, 1, dtype=torch.float64)
+    s1 = cov @ one
+    total = (one.T @ cov @ one).squeeze(-1)
+    mu_c = mu - (s1.squeeze(-1) * mu.sum(-1, keepdim=True)) / total
+    cov_c = cov - s1 @ s1.transpose(1, 2) / total[..., None]
+    expected = eq7(mu_c, cov_c.diagonal(dim1=1, dim2=2))
+    assert torch.allclose(laplace_bridge(mu, cov, "zero-sum"), expected, rtol=1e-10)
+    c = cov_c.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True) / math.sqrt(5 / 2)
+    expected_norm = eq7(mu_c / c.sqrt(), cov_c.diagonal(dim1=1, dim2=2) / c)
+    assert torch.allclose(laplace_bridge(mu, cov, "norm"), expected_norm, rtol=1e-10)
+
+
+def test_round_trip_dirichlet_gaussian_dirichlet():
+    alpha = torch.tensor([[2.0, 2.0, 6.0], [11.0, 11.0, 51.0], [0.5, 3.0, 9.0]], dtype=torch.float64)
+    mu, cov = dirichlet.dirichlet_to_gaussian(alpha)
+    assert torch.allclose(mu.sum(-1), torch.zeros(3, dtype=torch.float64), atol=1e-12)
+    for correction in ("none", "zero-sum"):
+        assert torch.allclose(laplace_bridge(mu, cov, correction), alpha, rtol=1e-10)
+
+
+def test_variances_and_full_covariances_give_same_alpha_without_correction():
+    gen = torch.Generator().manual_seed(1)
+    mu = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    var = torch.rand(4, 6, generator=gen, dtype=torch.float64) + 0.1
+    assert torch.allclose(laplace_bridge(mu, var, "none"), laplace_bridge(mu, torch.diag_embed(var), "none"))
+    with pytest.raises(BayescliError):
+        laplace_bridge(mu, torch.rand(4, 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mu=st.lists(st.floats(-4, 4), min_size=3, max_size=6),
+    var=st.lists(st.floats(0.05, 3), min_size=6, max_size=6),
+    k=st.integers(0, 5),
+    factor=st.floats(1.05, 3.0),
+)
+def test_proposition_1_variance_grows_with_sigma_kk(mu, var, k, factor):
+    m = torch.tensor([mu], dtype=torch.float64)
+    v = torch.tensor([var[: m.shape[1]]], dtype=torch.float64)
+    k = k % m.shape[1]
+    alpha = laplace_bridge(m, v, "none")
+    rest = alpha.sum() - alpha[0, k]
+    condition = alpha[0, k] > 0.25 * (torch.sqrt(9 * rest**2 + 10 * rest + 1) - rest - 1)
+    v2 = v.clone()
+    v2[0, k] *= factor
+    alpha2 = laplace_bridge(m, v2, "none")
+    cond2 = alpha2[0, k] > 0.25 * (torch.sqrt(9 * rest**2 + 10 * rest + 1) - rest - 1)
+    if bool(condition) and bool(cond2):
+        assert dirichlet.variance(alpha2)[0, k] > dirichlet.variance(alpha)[0, k]
+
+
+def test_minka_recovers_alpha_from_samples():
+    for alpha in ([2.0, 5.0, 3.0], [20.0, 1.0, 4.0, 0.5], [40.0, 60.0]):
+        a = torch.tensor(alpha, dtype=torch.float64)
+        samples = torch.distributions.Dirichlet(a).sample((10_000,))[:, None, :]
+        torch.manual_seed(0)
+        est = dirichlet.dirichlet_from_samples(samples, max_precision=1e6)[0]
+        assert torch.allclose(est, a, rtol=0.05), (est, a)
+
+
+def test_minka_precision_is_clamped_to_k_and_m():
+    flat = torch.full((50, 1, 4), 0.25, dtype=torch.float64)  # no spread: precision → ∞
+    assert dirichlet.dirichlet_from_samples(flat).sum().item() == pytest.approx(50.0)
+
+
+def test_dirichlet_utilities_against_sampling():
+    alpha = torch.tensor([[3.0, 1.5, 0.7, 5.0]], dtype=torch.float64)
+    draws = torch.distributions.Dirichlet(alpha[0]).sample((200_000,))
+    assert torch.allclose(dirichlet.mean(alpha)[0], draws.mean(0), atol=3e-3)
+    assert torch.allclose(dirichlet.variance(alpha)[0], draws.var(0), rtol=0.03)
+    ent = -(draws * draws.log()).sum(-1).mean()
+    assert dirichlet.expected_entropy(alpha)[0].item() == pytest.approx(ent.item(), rel=5e-3)
+    a, b = dirichlet.beta_marginals(alpha)
+    assert torch.allclose(a / (a + b), dirichlet.mean(alpha))
+    agg = dirichlet.aggregate(alpha, [[0, 2], [1], [3]])
+    grouped = torch.stack([draws[:, [0, 2]].sum(-1), draws[:, 1], draws[:, 3]], -1)
+    assert torch.allclose(dirichlet.variance(agg)[0], grouped.var(0), rtol=0.03)
+    assert torch.allclose(dirichlet.dirichlet_entropy(alpha), torch.distributions.Dirichlet(alpha).entropy())
+    assert torch.allclose(dirichlet.log_density(alpha, draws[:5]), torch.distributions.Dirichlet(alpha[0]).log_prob(draws[:5]))
+    assert dirichlet.mutual_information(alpha).item() >= 0
+    with pytest.raises(BayescliError):
+        dirichlet.aggregate(alpha, [[0, 1], [1, 2, 3]])

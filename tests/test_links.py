@@ -1,0 +1,87 @@
+"""Links against Monte Carlo with 10⁵ samples and against autograd Taylor expansions.
+
+Tolerances (absolute, on probabilities): probit 0.025 and bridge 0.01 when the logit
+variances are small (≤ 0.05 for probit; Dirichlet-consistent Gaussians with α₀ ≥ 70 for the
+bridge); SODPP 0.002 vs the exact second-order Taylor term.
+"""
+
+import math
+
+import pytest
+import torch
+
+from bayescli.posterior.gaussian import LogitGaussian
+from bayescli.predictive import dirichlet
+from bayescli.predictive.links import apply_link, bridge, monte_carlo, probit, sodpp
+
+
+def random_gaussians(n: int, k: int, scale: float, seed: int = 0) -> LogitGaussian:
+    gen = torch.Generator().manual_seed(seed)
+    mu = 2 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+    a = torch.randn(n, k, k, generator=gen, dtype=torch.float64)
+    cov = scale * a @ a.transpose(1, 2) / k
+    return LogitGaussian(mu, cov.diagonal(dim1=1, dim2=2).clone(), cov)
+
+
+def mc(lg: LogitGaussian, m: int = 100_000, seed: int = 1) -> torch.Tensor:
+    return monte_carlo(lg, m, torch.Generator().manual_seed(seed)).probs
+
+
+def test_probit_close_to_mc_for_small_variance():
+    lg = random_gaussians(100, 5, 0.05)
+    diag = LogitGaussian(lg.mean, lg.var)
+    assert (probit(diag) - mc(diag)).abs().max() < 0.025
+
+
+def test_probit_formula():
+    lg = random_gaussians(7, 4, 1.0)
+    expected = torch.softmax(lg.mean / torch.sqrt(1 + math.pi * lg.var / 8), -1)
+    assert torch.allclose(probit(lg), expected)
+
+
+@pytest.mark.parametrize("alpha", [[11.0, 11.0, 51.0], [50.0, 30.0, 20.0], [110.0, 110.0, 510.0]])
+def test_bridge_mean_close_to_mc_when_variance_small(alpha):
+    a = torch.tensor([alpha], dtype=torch.float64)
+    mu, cov = dirichlet.dirichlet_to_gaussian(a)
+    lg = LogitGaussian(mu, cov.diagonal(dim1=1, dim2=2).clone(), cov)
+    assert (dirichlet.mean(bridge(lg)) - mc(lg)).abs().max() < 0.01
+
+
+def test_sodpp_equals_second_order_taylor_expansion():
+    lg = random_gaussians(6, 4, 0.01, seed=2)
+    for n in range(6):
+        mu, cov = lg.mean[n], lg.cov[n]
+        hess = torch.autograd.functional.jacobian(
+            lambda z: torch.autograd.functional.jacobian(lambda u: u.softmax(-1), z, create_graph=True), mu
+        )  # [K, K, K]: d²p_k / dz_i dz_j
+        taylor = mu.softmax(-1) + 0.5 * torch.einsum("kij,ij->k", hess, cov)
+        assert (sodpp(lg)[n] - taylor).abs().max() < 1e-10
+    assert (sodpp(lg) - mc(lg)).abs().max() < 0.002
+
+
+def test_mc_error_shrinks_like_one_over_sqrt_m():
+    lg = random_gaussians(400, 4, 1.0, seed=3)
+    truth = mc(lg, 200_000, seed=9)
+    err = {m: (mc(lg, m, seed=5) - truth).pow(2).mean().sqrt().item() for m in (100, 10_000)}
+    ratio = err[100] / err[10_000]
+    assert 6 < ratio < 16  # √(10000/100) = 10
+
+
+def test_mc_forms_agree():
+    """Diagonal, eigen-form and full covariances describe the same Gaussian."""
+    gen = torch.Generator().manual_seed(4)
+    q, _ = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))
+    spec = torch.rand(50, 4, generator=gen, dtype=torch.float64)
+    mu = torch.randn(50, 4, generator=gen, dtype=torch.float64)
+    eig = LogitGaussian(mu, spec @ q.pow(2).T, basis=q, spectrum=spec)
+    full = LogitGaussian(mu, eig.var, eig.covariance())
+    assert (mc(eig) - mc(full)).abs().max() < 0.01
+    for link in ("probit", "sodpp", "bridge"):
+        assert torch.allclose(apply_link(eig, link).probs, apply_link(full, link).probs, atol=1e-10)
+
+
+def test_mc_dirichlet_and_std_are_returned():
+    lg = random_gaussians(5, 3, 0.5)
+    out = monte_carlo(lg, 2000, torch.Generator().manual_seed(0), fit_dirichlet=True)
+    assert out.alpha.shape == (5, 3) and out.std.shape == (5, 3) and (out.alpha > 0).all()
+    assert torch.allclose(dirichlet.mean(out.alpha), out.probs, atol=1e-6)
