@@ -13,7 +13,7 @@ demo:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/bayescli" demo --out-dir $(DEMO_DIR)
 
 test:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" -m pytest tests
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks && "$$V/bin/python" -m pytest -q tests
 
 lint:
 	@V="$(ENV)" && "$$V/bin/ruff" check bayescli tests benchmarks

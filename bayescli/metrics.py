@@ -53,7 +53,6 @@ def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
     conf, pred = probs.double().max(-1)
     correct = (pred == y).double()
     idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
-    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(conf))
     acc_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, correct)
     conf_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, conf)
     return ((acc_sum - conf_sum).abs().sum() / len(conf)).item()
@@ -63,6 +62,11 @@ def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[
     """Accuracy, NLL, Brier, ECE (when labels are known), MMC and mean entropy."""
     out: dict[str, float] = {}
     if y is not None:
-        out |= {"accuracy": accuracy(probs, y), "nll": nll(probs, y), "brier": brier(probs, y), "ece": ece(probs, y)}
+        out |= {
+            "accuracy": accuracy(probs, y),
+            "nll": nll(probs, y),
+            "brier": brier(probs, y),
+            "ece": ece(probs, y),
+        }
     out |= {"mmc": mmc(probs), "entropy": entropy(probs).mean().item()}
     return out

@@ -190,6 +190,11 @@ class Classifier(nn.Module):
                 f"{list(split.shape)}; pass --head NAME of the final linear layer"
                 + (f" (the last one applied is '{order[-1]}')" if order else "")
             )
+        if not torch.isfinite(full).all():
+            raise BayescliError(
+                "the model produces non-finite features/logits (NaN or inf) on these inputs; "
+                "check the checkpoint and the input scaling"
+            )
         diff = (full.float() - split.float()).abs().max().item()
         if not diff <= SPLIT_TOLERANCE:
             hint = f" (the last linear layer applied is '{order[-1]}')" if order else ""
@@ -235,8 +240,9 @@ def _last_linear(net: nn.Module) -> str:
     return names[-1]
 
 
-def _build(spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None,
-           kwargs: dict) -> nn.Module:
+def _build(
+    spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None, kwargs: dict
+) -> nn.Module:
     """Instantiate ``spec``; ``num_classes=None`` means the architecture's default."""
     if spec.kind == "builtin":
         if spec.name not in _BUILTINS:
@@ -266,7 +272,9 @@ def _build(spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...
         extra = {} if num_classes is None else {"num_classes": num_classes}
         return torchvision.models.get_model(spec.name, weights=None, **extra, **kwargs)
     module_name, sep, attr = spec.name.rpartition(":")
-    require(bool(sep and module_name and attr), f"py spec must be py:package.module:factory, got py:{spec.name}")
+    require(
+        bool(sep and module_name and attr), f"py spec must be py:package.module:factory, got py:{spec.name}"
+    )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

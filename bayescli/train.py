@@ -18,7 +18,7 @@ from bayescli import __version__
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
 from bayescli.io import save_tensors
-from bayescli.models import Classifier, ModelSpec, builtin_names, _build, _last_linear
+from bayescli.models import Classifier, ModelSpec, _build, _last_linear, builtin_names
 from bayescli.progress import track
 
 

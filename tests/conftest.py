@@ -58,8 +58,20 @@ def digits_posterior(digits_ckpt, tmp_path_factory) -> Path:
     """A last-layer kron posterior fitted through the CLI."""
     path = tmp_path_factory.mktemp("post") / "post.safetensors"
     try:
-        main(["fit-laplace", "--model", "builtin:small-cnn", "--checkpoint", str(digits_ckpt),
-              "--data", "digits:train", "--out", str(path), "--quiet"])
+        main(
+            [
+                "fit-laplace",
+                "--model",
+                "builtin:small-cnn",
+                "--checkpoint",
+                str(digits_ckpt),
+                "--data",
+                "digits:train",
+                "--out",
+                str(path),
+                "--quiet",
+            ]
+        )
     except SystemExit as exc:
         assert exc.code == 0
     return path

@@ -16,7 +16,9 @@ def write_idx(root: Path, folder: str, n_train: int = 30, n_test: int = 20, seed
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
         labels = (np.arange(n) % 10).astype(np.uint8)
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes()
+        )
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + labels.tobytes())
 
 
@@ -25,7 +27,11 @@ def write_cifar_binary(root: Path, hundred: bool = False, per_file: int = 12, se
     rng = np.random.default_rng(seed)
     folder = root / ("cifar-100-binary" if hundred else "cifar-10-batches-bin")
     folder.mkdir(parents=True, exist_ok=True)
-    names = ["train.bin", "test.bin"] if hundred else [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    names = (
+        ["train.bin", "test.bin"]
+        if hundred
+        else [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+    )
     test_pixels = None
     for name in names:
         pixels = rng.integers(0, 256, size=(per_file, 3072), dtype=np.uint8)

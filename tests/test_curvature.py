@@ -67,13 +67,16 @@ def test_empirical_fisher_matches_per_sample_gradients(problem):
 def test_mc_curvature_matches_exact_in_expectation(problem, backend):
     phi_aug, w, _, _ = problem
     exact = last_layer_curvature(phi_aug, w, None, "kron", "ggn").kron[0]
-    runs = [last_layer_curvature(phi_aug, w, None, "kron", "ggn-mc", backend, seed=s).kron[0] for s in range(40)]
+    runs = [
+        last_layer_curvature(phi_aug, w, None, "kron", "ggn-mc", backend, seed=s).kron[0] for s in range(40)
+    ]
     mean = torch.stack(runs).mean(0)
     single = rel(runs[0], exact)
     assert rel(mean, exact) < 0.05 < single  # one MC label per input is noisy; its mean is not
     diag_exact = last_layer_curvature(phi_aug, w, None, "diag", "ggn").diag
-    diag_mc = torch.stack([last_layer_curvature(phi_aug, w, None, "diag", "ggn-mc", backend, seed=s).diag
-                           for s in range(40)]).mean(0)
+    diag_mc = torch.stack(
+        [last_layer_curvature(phi_aug, w, None, "diag", "ggn-mc", backend, seed=s).diag for s in range(40)]
+    ).mean(0)
     assert rel(diag_mc, diag_exact) < 0.05
 
 

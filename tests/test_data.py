@@ -70,13 +70,17 @@ def test_imagefolder(tmp_path):
         (tmp_path / cls).mkdir()
         for i in range(3):
             size = (10, 10) if i else (12, 9)
-            Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8)).save(tmp_path / cls / f"{i}.png")
+            Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8)).save(
+                tmp_path / cls / f"{i}.png"
+            )
     data = load_data(f"imagefolder:{tmp_path}")
     assert data.class_names == ["cat", "dog"] and len(data) == 6
     assert data.input_shape[0] == 3 and len({tuple(data.x[i].shape) for i in range(6)}) == 1
 
 
-@pytest.mark.parametrize(("name", "folder"), [("mnist", "MNIST"), ("fashion-mnist", "FashionMNIST"), ("kmnist", "KMNIST")])
+@pytest.mark.parametrize(
+    ("name", "folder"), [("mnist", "MNIST"), ("fashion-mnist", "FashionMNIST"), ("kmnist", "KMNIST")]
+)
 def test_mnist_family_official_idx_format(tmp_path, name, folder):
     write_idx(tmp_path, folder)
     test = load_data(f"{name}:test", root=tmp_path)

@@ -116,7 +116,9 @@ def test_dirichlet_utilities_against_sampling():
     grouped = torch.stack([draws[:, [0, 2]].sum(-1), draws[:, 1], draws[:, 3]], -1)
     assert torch.allclose(dirichlet.variance(agg)[0], grouped.var(0), rtol=0.03)
     assert torch.allclose(dirichlet.dirichlet_entropy(alpha), torch.distributions.Dirichlet(alpha).entropy())
-    assert torch.allclose(dirichlet.log_density(alpha, draws[:5]), torch.distributions.Dirichlet(alpha[0]).log_prob(draws[:5]))
+    assert torch.allclose(
+        dirichlet.log_density(alpha, draws[:5]), torch.distributions.Dirichlet(alpha[0]).log_prob(draws[:5])
+    )
     assert dirichlet.mutual_information(alpha).item() >= 0
     with pytest.raises(BayescliError):
         dirichlet.aggregate(alpha, [[0, 1], [1, 2, 3]])

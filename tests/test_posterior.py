@@ -71,7 +71,11 @@ def test_all_layer_glm_equals_explicit_jacobian(structure):
     lg = post.logit_gaussian_inputs(clf, xt)
     jac = autograd_jacobian(net, xt)
     g = post.gaussian
-    sigma = torch.diag(1 / (g.h + 2.0)) if structure == "diag" else torch.linalg.inv(g.H + 2.0 * torch.eye(g.H.shape[0], dtype=torch.float64))
+    sigma = (
+        torch.diag(1 / (g.h + 2.0))
+        if structure == "diag"
+        else torch.linalg.inv(g.H + 2.0 * torch.eye(g.H.shape[0], dtype=torch.float64))
+    )
     assert rel(lg.covariance(), jac @ sigma @ jac.transpose(1, 2)) < 1e-6
 
 
@@ -105,7 +109,9 @@ def test_log_det_matches_dense_determinant(fitted):
     for structure in ("diag", "kron", "full"):
         post = LaplacePosterior.fit_last_layer(phi, labels, head, structure)
         dense = torch.linalg.inv(explicit_cov(post))  # prior precision 1 after fitting
-        assert post.gaussian.log_det_precision(1.0).item() == pytest.approx(torch.logdet(dense).item(), rel=1e-8)
+        assert post.gaussian.log_det_precision(1.0).item() == pytest.approx(
+            torch.logdet(dense).item(), rel=1e-8
+        )
 
 
 def test_save_load_reproduces_predictions_exactly(fitted, tmp_path):

@@ -39,7 +39,10 @@ def test_vectorised_topk_equals_algorithm_1(alpha, threshold, max_k):
 
 def test_batch_of_inputs():
     gen = torch.Generator().manual_seed(0)
-    alpha = torch.rand(200, 10, generator=gen, dtype=torch.float64) * torch.logspace(-1, 3, 200, dtype=torch.float64)[:, None]
+    alpha = (
+        torch.rand(200, 10, generator=gen, dtype=torch.float64)
+        * torch.logspace(-1, 3, 200, dtype=torch.float64)[:, None]
+    )
     sets = uncertainty_topk(alpha, 0.05, 10)
     for i in range(200):
         assert sets[i].tolist() == algorithm_1(alpha[i].numpy(), 0.05, 10)

@@ -35,11 +35,18 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
 ) -> None:
     common.state["debug"] = debug
 
+
+# Typer ≥ 0.20 vendors click; older releases raise click's own exceptions. Accept both.
+_EXIT = (click.exceptions.Exit, typer.Exit)
+_ABORT = (click.exceptions.Abort, typer.Abort)
+_USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
 
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
@@ -52,12 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI: exit 0 ok, 1 a ``--fail-if`` gate failed, 2 bad usage or input, 3 a bug."""
     try:
         rv = app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except _EXIT as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
+    except _USAGE as exc:
         exc.show()
         sys.exit(2)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (*_ABORT, KeyboardInterrupt):
         typer.echo("interrupted; no partial output was written", err=True)
         sys.exit(130)
     except BayescliError as exc:

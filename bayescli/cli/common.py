@@ -30,7 +30,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSO
 DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.")]
 Download = Annotated[bool, typer.Option("--download", help="Download torchvision datasets if missing.")]
 Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.")]
-Head = Annotated[str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")]
+Head = Annotated[
+    str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
+]
 
 
 def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
@@ -57,8 +59,17 @@ def check_labels(data: ArrayData, num_classes: int) -> None:
         )
 
 
-def prepare_prediction(posterior: Path, checkpoint: Path | None, data: str, root: Path, download: bool,
-                       limit: int | None, seed: int, batch_size: int, device: str):
+def prepare_prediction(
+    posterior: Path,
+    checkpoint: Path | None,
+    data: str,
+    root: Path,
+    download: bool,
+    limit: int | None,
+    seed: int,
+    batch_size: int,
+    device: str,
+):
     """Load a posterior, its model (hash-verified) and the data, and extract features once."""
     post = LaplacePosterior.load(posterior)
     model = post.load_model(checkpoint)
@@ -103,7 +114,9 @@ def metrics_table(title: str, results: dict[str, dict[str, float]]) -> Table:
     names: list[str] = []
     for m in results.values():
         names += [k for k in m if k not in names]
-    return table(title, ["method", *names], [[method, *(m.get(n) for n in names)] for method, m in results.items()])
+    return table(
+        title, ["method", *names], [[method, *(m.get(n) for n in names)] for method, m in results.items()]
+    )
 
 
 def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> None:

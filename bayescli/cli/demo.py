@@ -21,7 +21,9 @@ from bayescli.train import TrainConfig, save_checkpoint, train_classifier
 
 
 def demo(
-    out_dir: Annotated[Path, typer.Option(help="Where checkpoint, posterior and reports go.")] = Path("demo-output"),
+    out_dir: Annotated[Path, typer.Option(help="Where checkpoint, posterior and reports go.")] = Path(
+        "demo-output"
+    ),
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -36,7 +38,9 @@ def demo(
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = c.device_of(device)
     root = Path("data")
-    train_data, val_data, test_data = (c.load(f"digits:{s}", root, False, None, seed) for s in ("train", "val", "test"))
+    train_data, val_data, test_data = (
+        c.load(f"digits:{s}", root, False, None, seed) for s in ("train", "val", "test")
+    )
 
     ckpt = out_dir / "model.safetensors"
     clf, meta = train_classifier("builtin:small-cnn", train_data, val_data, TrainConfig(seed=seed), dev)
@@ -46,8 +50,14 @@ def demo(
     train_feats = extract_features(model, train_data, device=dev)
     test_feats = extract_features(model, test_data, device=dev)
     model.classifier.cpu()
-    post = fit_laplace(model.classifier, train_feats.phi, train_feats.labels, structure="kron",
-                       prior_precision="auto", seed=seed)
+    post = fit_laplace(
+        model.classifier,
+        train_feats.phi,
+        train_feats.labels,
+        structure="kron",
+        prior_precision="auto",
+        seed=seed,
+    )
     post.meta |= {**model.describe(), "class_names": model.class_names, "data": train_data.info}
     post_path = out_dir / "posterior.safetensors"
     post.save(post_path)
@@ -61,7 +71,9 @@ def demo(
         timings[f"glm-{link}"] = pred.timings["predictive"] + pred.timings["link"]
         bridge_pred = pred if link == "bridge" else bridge_pred
     results["glm-bridge"]["mean_alpha0"] = float(dirichlet.precision(bridge_pred.alpha).mean())
-    results["glm-bridge"]["mean_mutual_information"] = float(dirichlet.mutual_information(bridge_pred.alpha).mean())
+    results["glm-bridge"]["mean_mutual_information"] = float(
+        dirichlet.mutual_information(bridge_pred.alpha).mean()
+    )
     sets = uncertainty_topk(bridge_pred.alpha, 0.05, 10)
     topk = topk_summary(sets, bridge_pred.probs, test_feats.labels, 10)
 
@@ -83,10 +95,18 @@ def demo(
     topk_rows = [[k, v] for k, v in topk.items() if not isinstance(v, dict)]
     topk_rows.append(["k histogram", " ".join(f"{k}:{v}" for k, v in topk["k_histogram"].items() if v)])
     c.show(
-        quiet, as_json,
-        c.table("Laplace posterior (last layer, KFAC, marglik prior)", ["", "value"],
-                [["prior precision", post.prior_precision], ["log marglik", post.log_marglik()],
-                 ["parameters", post.gaussian.num_params], ["fit seconds", post.meta["fit_seconds"]]]),
+        quiet,
+        as_json,
+        c.table(
+            "Laplace posterior (last layer, KFAC, marglik prior)",
+            ["", "value"],
+            [
+                ["prior precision", post.prior_precision],
+                ["log marglik", post.log_marglik()],
+                ["parameters", post.gaussian.num_params],
+                ["fit seconds", post.meta["fit_seconds"]],
+            ],
+        ),
         c.metrics_table(f"digits test ({len(test_data)} inputs): MAP vs Laplace", results),
         c.table("uncertainty-aware top-k (bridge, T=0.05)", ["", "value"], topk_rows),
         c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in timings.items()]),

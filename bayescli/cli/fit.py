@@ -24,23 +24,33 @@ def parse_prior(text: str) -> float | str:
     try:
         value = float(text)
     except ValueError:
-        raise BayescliError(f"--prior-precision must be a positive number, auto or val-nll; got '{text}'") from None
+        raise BayescliError(
+            f"--prior-precision must be a positive number, auto or val-nll; got '{text}'"
+        ) from None
     if not value > 0:
         raise BayescliError(f"--prior-precision must be positive, got {value}")
     return value
 
 
 def fit_laplace_cmd(
-    model: Annotated[str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME or py:module:factory.")],
+    model: Annotated[
+        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME or py:module:factory.")
+    ],
     checkpoint: Annotated[Path, typer.Option(help=".safetensors (preferred) or state-dict .pt/.pth.")],
     out: Annotated[Path, typer.Option(help="Posterior file to write (.safetensors).")],
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
     subset: Annotated[Subset, typer.Option(help="Which weights get a posterior.")] = Subset.LAST_LAYER,
     hessian: Annotated[HessianStructure, typer.Option(help="Curvature structure.")] = HessianStructure.KRON,
-    curvature: Annotated[CurvatureType, typer.Option(help="ggn (exact), ggn-mc (1 MC label) or ef.")] = CurvatureType.GGN,
+    curvature: Annotated[
+        CurvatureType, typer.Option(help="ggn (exact), ggn-mc (1 MC label) or ef.")
+    ] = CurvatureType.GGN,
     backend: Annotated[Backend, typer.Option(help="Curvature engine for the last layer.")] = Backend.AUTO,
-    prior_precision: Annotated[str, typer.Option(help="A positive number, auto (marginal likelihood) or val-nll.")] = "auto",
-    val_data: Annotated[str | None, typer.Option(help="Validation spec for val-nll (default: the val split).")] = None,
+    prior_precision: Annotated[
+        str, typer.Option(help="A positive number, auto (marginal likelihood) or val-nll.")
+    ] = "auto",
+    val_data: Annotated[
+        str | None, typer.Option(help="Validation spec for val-nll (default: the val split).")
+    ] = None,
     predictive: Annotated[Predictive, typer.Option(help="Predictive used by val-nll.")] = Predictive.GLM,
     link: Annotated[Link, typer.Option(help="Link used by val-nll.")] = Link.PROBIT,
     head: c.Head = None,
@@ -70,8 +80,19 @@ def fit_laplace_cmd(
     clf = loaded.classifier.cpu()
     batches = list(fit_data.batches(batch_size)) if subset is Subset.ALL else None
     initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below
-    post = fit_laplace(clf, feats.phi, feats.labels, batches, subset, hessian, curvature, backend,
-                       initial, batch_size=max(batch_size, 1024), seed=seed)
+    post = fit_laplace(
+        clf,
+        feats.phi,
+        feats.labels,
+        batches,
+        subset,
+        hessian,
+        curvature,
+        backend,
+        initial,
+        batch_size=max(batch_size, 1024),
+        seed=seed,
+    )
     if prior == "val-nll":
         spec = val_data or f"{data.split(':')[0]}:val"
         val = c.load(spec, data_root, download, None, seed)
@@ -98,5 +119,9 @@ def fit_laplace_cmd(
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": feats.seconds,
     }
-    c.show(quiet, as_json, c.table("Laplace posterior", ["", "value"], [[k, v] for k, v in summary.items()]),
-           payload=summary)
+    c.show(
+        quiet,
+        as_json,
+        c.table("Laplace posterior", ["", "value"], [[k, v] for k, v in summary.items()]),
+        payload=summary,
+    )

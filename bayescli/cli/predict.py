@@ -34,7 +34,9 @@ def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def rows(probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], extra: dict[str, torch.Tensor]) -> list[dict]:
+def rows(
+    probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], extra: dict[str, torch.Tensor]
+) -> list[dict]:
     """Per-input JSON rows: prediction, top-5, uncertainty, label."""
     top_p, top_i = probs.topk(min(5, probs.shape[1]), dim=1)
     ent = entropy(probs)
@@ -59,15 +61,27 @@ def rows(probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], ext
 def predict_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test or npz:batch.npz.")],
-    out: Annotated[Path | None, typer.Option(help="Write .json (summary + rows) or .safetensors (arrays).")] = None,
-    predictive: Annotated[Predictive, typer.Option(help="glm (linearised) or bnn (sampled network).")] = Predictive.GLM,
+    out: Annotated[
+        Path | None, typer.Option(help="Write .json (summary + rows) or .safetensors (arrays).")
+    ] = None,
+    predictive: Annotated[
+        Predictive, typer.Option(help="glm (linearised) or bnn (sampled network).")
+    ] = Predictive.GLM,
     link: Annotated[Link, typer.Option(help="How logit Gaussians become probabilities.")] = Link.PROBIT,
-    bridge: Annotated[bool, typer.Option("--bridge", help="Laplace-bridge Dirichlet output (= --link bridge).")] = False,
-    fit_dirichlet: Annotated[bool, typer.Option("--dirichlet", help="With --link mc: fit a Dirichlet to the samples.")] = False,
+    bridge: Annotated[
+        bool, typer.Option("--bridge", help="Laplace-bridge Dirichlet output (= --link bridge).")
+    ] = False,
+    fit_dirichlet: Annotated[
+        bool, typer.Option("--dirichlet", help="With --link mc: fit a Dirichlet to the samples.")
+    ] = False,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
     samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn.")] = 1000,
-    save_logits: Annotated[bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")] = False,
-    checkpoint: Annotated[Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")] = None,
+    save_logits: Annotated[
+        bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")
+    ] = False,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
+    ] = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -79,7 +93,8 @@ def predict_cmd(
 ) -> None:
     """Predict with a Laplace posterior; MAP is shown next to it when labels are known.
 
-    Example: bayescli predict --posterior posterior.safetensors --data digits:test --link probit --out pred.json
+    Example: bayescli predict --posterior posterior.safetensors --data digits:test
+    --link probit --out pred.json
     """
     c.setup(quiet, as_json, seed)
     if bridge:
@@ -92,13 +107,18 @@ def predict_cmd(
         raise typer.BadParameter("use a .json or .safetensors file", param_hint="--out")
     if save_logits and (out is None or out.suffix != ".safetensors"):
         raise typer.BadParameter("--save-logits needs --out FILE.safetensors", param_hint="--save-logits")
-    post, model, test, feats = c.prepare_prediction(posterior, checkpoint, data, data_root, download, limit,
-                                                    seed, batch_size, device)
-    pred = predict(post, feats, predictive, link, samples, seed, model.classifier, test, correction, fit_dirichlet)
+    post, model, test, feats = c.prepare_prediction(
+        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
+    )
+    pred = predict(
+        post, feats, predictive, link, samples, seed, model.classifier, test, correction, fit_dirichlet
+    )
     map_probs = feats.logits.softmax(-1)
     method = f"{predictive.value}-{link.value}"
-    results = {"map": classification_summary(map_probs, feats.labels),
-               method: classification_summary(pred.probs, feats.labels)}
+    results = {
+        "map": classification_summary(map_probs, feats.labels),
+        method: classification_summary(pred.probs, feats.labels),
+    }
     extra = dirichlet_fields(pred.alpha) if pred.alpha is not None else {}
     if extra:
         results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
@@ -139,7 +159,10 @@ def predict_cmd(
             else:
                 tensors["logit_cov"] = pred.logits.covariance()
         save_tensors(out, tensors, report)
-    c.show(quiet, as_json,
-           c.metrics_table(f"{test.spec}: {len(test)} inputs", results),
-           c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in pred.timings.items()]),
-           payload=report)
+    c.show(
+        quiet,
+        as_json,
+        c.metrics_table(f"{test.spec}: {len(test)} inputs", results),
+        c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in pred.timings.items()]),
+        payload=report,
+    )

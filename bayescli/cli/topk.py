@@ -20,10 +20,14 @@ def topk_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test.")],
     out: Annotated[Path | None, typer.Option(help="Write sets and summary as JSON.")] = None,
-    threshold: Annotated[float, typer.Option(min=1e-9, max=1 - 1e-9, help="Overlap level T in (0, 1).")] = 0.05,
+    threshold: Annotated[
+        float, typer.Option(min=1e-9, max=1 - 1e-9, help="Overlap level T in (0, 1).")
+    ] = 0.05,
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
-    checkpoint: Annotated[Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
+    ] = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -35,13 +39,23 @@ def topk_cmd(
 ) -> None:
     """Return, per input, the set of classes the model cannot tell apart (Algorithm 1).
 
-    Example: bayescli topk --posterior posterior.safetensors --data digits:test --threshold 0.05 --max-k 10 --out topk.json
+    Example: bayescli topk --posterior posterior.safetensors --data digits:test
+    --threshold 0.05 --max-k 10 --out topk.json
     """
     c.setup(quiet, as_json, seed)
-    post, model, test, feats = c.prepare_prediction(posterior, checkpoint, data, data_root, download, limit,
-                                                    seed, batch_size, device)
-    pred = predict(post, feats, Predictive.GLM, Link.BRIDGE, seed=seed, classifier=model.classifier,
-                   data=test, correction=correction)
+    post, model, test, feats = c.prepare_prediction(
+        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
+    )
+    pred = predict(
+        post,
+        feats,
+        Predictive.GLM,
+        Link.BRIDGE,
+        seed=seed,
+        classifier=model.classifier,
+        data=test,
+        correction=correction,
+    )
     sets = uncertainty_topk(pred.alpha, threshold, max_k)
     summary = topk_summary(sets, pred.probs, feats.labels, max_k)
     names = model.class_names
@@ -58,13 +72,23 @@ def topk_cmd(
     }
     if out is not None:
         per_input = [
-            {"index": i, "classes": s.tolist(), "names": [names[j] for j in s.tolist()], "k": len(s),
-             **({"label": int(feats.labels[i])} if feats.labels is not None else {})}
+            {
+                "index": i,
+                "classes": s.tolist(),
+                "names": [names[j] for j in s.tolist()],
+                "k": len(s),
+                **({"label": int(feats.labels[i])} if feats.labels is not None else {}),
+            }
             for i, s in enumerate(sets)
         ]
         write_json(out, {**report, "sets": per_input})
     rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
     rows += [[f"top-{k} accuracy (fixed)", v] for k, v in summary.get("fixed_topk_accuracy", {}).items()]
     hist = c.table("set sizes", ["k", "inputs"], [[k, v] for k, v in summary["k_histogram"].items()])
-    c.show(quiet, as_json, c.table(f"uncertainty-aware top-k, T={threshold}", ["", "value"], rows), hist,
-           payload=report)
+    c.show(
+        quiet,
+        as_json,
+        c.table(f"uncertainty-aware top-k, T={threshold}", ["", "value"], rows),
+        hist,
+        payload=report,
+    )

@@ -49,4 +49,9 @@ def train(
         "val_accuracy": meta["val_accuracy"],
         "final_loss": meta["train_loss"][-1],
     }
-    c.show(quiet, as_json, c.table("trained", ["", "value"], [[k, v] for k, v in summary.items()]), payload=summary)
+    c.show(
+        quiet,
+        as_json,
+        c.table("trained", ["", "value"], [[k, v] for k, v in summary.items()]),
+        payload=summary,
+    )

@@ -57,7 +57,9 @@ class ArrayData:
     def subset(self, index: torch.Tensor | slice, **info: object) -> ArrayData:
         """The rows ``index`` as a new dataset, with ``info`` added to the provenance."""
         return ArrayData(
-            self.x[index], None if self.y is None else self.y[index], self.class_names,
+            self.x[index],
+            None if self.y is None else self.y[index],
+            self.class_names,
             {**self.info, **info},
         )
 

@@ -39,7 +39,9 @@ class DataSpec:
             if sep and tail in SPLITS:
                 path, split = head, tail
             if not path:
-                raise BayescliError(f"'{text}' needs a path, e.g. {kind}:data/batch.{kind if kind == 'npz' else ''}")
+                raise BayescliError(
+                    f"'{text}' needs a path, e.g. {kind}:data/batch.{kind if kind == 'npz' else ''}"
+                )
             return cls(kind, split, path)
         if kind not in DATASETS:
             raise BayescliError(
@@ -66,7 +68,9 @@ def _split_whole(data: ArrayData, split: str | None, seed: int) -> ArrayData:
     if split is None:
         return data.subset(torch.arange(len(data)), split="all")
     idx = _seeded_split(len(data), split, seed)
-    return data.subset(idx, split=split, split_seed=seed, split_fractions={"train": 0.7, "val": 0.1, "test": 0.2})
+    return data.subset(
+        idx, split=split, split_seed=seed, split_fractions={"train": 0.7, "val": 0.1, "test": 0.2}
+    )
 
 
 Loader = Callable[[Path, bool, bool], ArrayData]  # (root, train, download) -> data

@@ -111,7 +111,9 @@ def mnist_family(name: str) -> Callable[[Path, bool, bool], ArrayData]:
                 raise _missing(name, root, f"{root}/{cls.__name__}/raw/*-idx*-ubyte") from None
             raise BayescliError(f"{name}: {exc}") from None
         x = ds.data.unsqueeze(1).contiguous()
-        return ArrayData(x, ds.targets.long(), [str(c) for c in ds.classes], {"source": f"torchvision.{cls.__name__}"})
+        return ArrayData(
+            x, ds.targets.long(), [str(c) for c in ds.classes], {"source": f"torchvision.{cls.__name__}"}
+        )
 
     return load
 
@@ -131,7 +133,9 @@ def _read_cifar_binary(files: list[Path], label_bytes: int) -> tuple[torch.Tenso
     return x, y
 
 
-def _read_cifar_python(files: list[tuple[str, str]], folder: Path, label_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_cifar_python(
+    files: list[tuple[str, str]], folder: Path, label_key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys = [], []
     for fname, md5 in files:
         p = folder / fname
@@ -158,11 +162,17 @@ def _cifar(root: Path, train: bool, download: bool, hundred: bool) -> ArrayData:
         bin_files = [bin_dir / ("train.bin" if train else "test.bin")]
         names_file = bin_dir / "fine_label_names.txt"
     else:
-        bin_files = [bin_dir / f"data_batch_{i}.bin" for i in range(1, 6)] if train else [bin_dir / "test_batch.bin"]
+        bin_files = (
+            [bin_dir / f"data_batch_{i}.bin" for i in range(1, 6)] if train else [bin_dir / "test_batch.bin"]
+        )
         names_file = bin_dir / "batches.meta.txt"
     if all(f.is_file() for f in bin_files):
         x, y = _read_cifar_binary(bin_files, 2 if hundred else 1)
-        names = names_file.read_text().split() if names_file.is_file() else [str(i) for i in range(100 if hundred else 10)]
+        names = (
+            names_file.read_text().split()
+            if names_file.is_file()
+            else [str(i) for i in range(100 if hundred else 10)]
+        )
         source = f"{bin_dir} (binary version)"
     else:
         if download and not py_dir.is_dir():

@@ -79,8 +79,14 @@ def _residual(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return probs - nn.functional.one_hot(labels, probs.shape[-1]).to(probs.dtype)
 
 
-def _closed_form_batch(structure: HessianStructure, curvature: CurvatureType, phi_aug: torch.Tensor,
-                       probs: torch.Tensor, labels: torch.Tensor | None, gen: torch.Generator) -> tuple:
+def _closed_form_batch(
+    structure: HessianStructure,
+    curvature: CurvatureType,
+    phi_aug: torch.Tensor,
+    probs: torch.Tensor,
+    labels: torch.Tensor | None,
+    gen: torch.Generator,
+) -> tuple:
     """This batch's contribution (sums over the batch)."""
     if curvature is CurvatureType.GGN:
         if structure is HessianStructure.DIAG:
@@ -105,8 +111,14 @@ def _closed_form_batch(structure: HessianStructure, curvature: CurvatureType, ph
     return (grads.T @ grads,)
 
 
-def _backpack_batch(structure: HessianStructure, curvature: CurvatureType, lin: nn.Module,
-                    loss_fn: nn.Module, phi_aug: torch.Tensor, targets: torch.Tensor) -> tuple:
+def _backpack_batch(
+    structure: HessianStructure,
+    curvature: CurvatureType,
+    lin: nn.Module,
+    loss_fn: nn.Module,
+    phi_aug: torch.Tensor,
+    targets: torch.Tensor,
+) -> tuple:
     from backpack import backpack
     from backpack.extensions import KFAC, KFLR, DiagGGNExact, DiagGGNMC, SumGradSquared
 
@@ -184,8 +196,9 @@ def last_layer_curvature(
             part = _backpack_batch(structure, curvature, lin, loss_fn, xb, targets)
         else:
             probs = (xb @ weight_aug.T).softmax(-1)
-            part = _closed_form_batch(structure, curvature, xb, probs,
-                                      None if labels is None else labels[sl], gen)
+            part = _closed_form_batch(
+                structure, curvature, xb, probs, None if labels is None else labels[sl], gen
+            )
         totals = list(part) if totals is None else [t + p for t, p in zip(totals, part, strict=True)]
     if structure is HessianStructure.DIAG:
         return Curvature(structure, n, diag=totals[0])
@@ -284,7 +297,9 @@ def network_jacobian(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits, flat
 
 
-def _all_layer_full(net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator) -> Curvature:
+def _all_layer_full(
+    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
+) -> Curvature:
     total, n = None, 0
     for x, y in inputs:
         logits, jac = network_jacobian(net, x)
@@ -293,7 +308,11 @@ def _all_layer_full(net: nn.Module, inputs: Iterator, curvature: CurvatureType, 
             lam = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
             part = torch.einsum("nkp,nkl,nlq->pq", jac, lam, jac)
         else:
-            labels = y if curvature is CurvatureType.EF else torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
+            labels = (
+                y
+                if curvature is CurvatureType.EF
+                else torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
+            )
             if labels is None:
                 raise BayescliError("--curvature ef needs labelled fitting data")
             g = torch.einsum("nk,nkp->np", _residual(probs, labels), jac)

@@ -115,7 +115,11 @@ class LogitGaussian:
     def cat(parts: list[LogitGaussian]) -> LogitGaussian:
         """Concatenate batches (all of the same kind)."""
         first = parts[0]
-        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        def cat(name: str) -> torch.Tensor | None:
+            if getattr(first, name) is None:
+                return None
+            return torch.cat([getattr(p, name) for p in parts])
+
         return LogitGaussian(cat("mean"), cat("var"), cat("cov"), first.basis, cat("spectrum"))
 
 
@@ -160,6 +164,7 @@ class WeightGaussian(ABC):
         self._refresh()
         return self
 
+    @abstractmethod
     def _refresh(self) -> None:
         """Recompute what depends on ``δ``."""
 
@@ -173,6 +178,9 @@ class DiagGaussian(WeightGaussian):
         if mean.shape != h.shape:
             raise ValueError(f"mean {list(mean.shape)} and curvature {list(h.shape)} differ")
         self.mean, self.h, self.delta = mean, h, float(delta)
+
+    def _refresh(self) -> None:
+        """Nothing is cached: :meth:`variance` reads ``δ`` directly."""
 
     def variance(self) -> torch.Tensor:
         return 1.0 / (self.h + self.delta)
@@ -208,7 +216,9 @@ class KronGaussian(WeightGaussian):
     def __init__(self, mean: torch.Tensor, G: torch.Tensor, A: torch.Tensor, delta: float = 1.0) -> None:
         k, d1 = mean.shape
         if G.shape != (k, k) or A.shape != (d1, d1):
-            raise ValueError(f"Kronecker factors {list(G.shape)}, {list(A.shape)} do not fit {list(mean.shape)}")
+            raise ValueError(
+                f"Kronecker factors {list(G.shape)}, {list(A.shape)} do not fit {list(mean.shape)}"
+            )
         self.mean, self.G, self.A, self.delta = mean, G, A, float(delta)
         g, self.Q_G = torch.linalg.eigh(G)
         a, self.Q_A = torch.linalg.eigh(A)

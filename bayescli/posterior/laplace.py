@@ -115,8 +115,14 @@ class LaplacePosterior:
         if labels is not None:
             logits = phi_aug @ mean.T
             log_lik = -nn.functional.cross_entropy(logits.double(), labels, reduction="sum").item()
-        return cls(_gaussian(curv, mean, 1.0), Subset.LAST_LAYER, CurvatureType(curvature), bias,
-                   curv.n_data, log_lik)
+        return cls(
+            _gaussian(curv, mean, 1.0),
+            Subset.LAST_LAYER,
+            CurvatureType(curvature),
+            bias,
+            curv.n_data,
+            log_lik,
+        )
 
     @classmethod
     def fit_all_layers(
@@ -138,8 +144,9 @@ class LaplacePosterior:
                 log_lik = -sum(
                     nn.functional.cross_entropy(net(x).double(), y, reduction="sum").item() for x, y in normed
                 )
-        return cls(_gaussian(curv, mean, 1.0), Subset.ALL, CurvatureType(curvature), False,
-                   curv.n_data, log_lik)
+        return cls(
+            _gaussian(curv, mean, 1.0), Subset.ALL, CurvatureType(curvature), False, curv.n_data, log_lik
+        )
 
     # -- prior --------------------------------------------------------------------------------
 
@@ -178,8 +185,14 @@ class LaplacePosterior:
         f, jac = network_jacobian(classifier.net, classifier.normalise(x))
         return self.gaussian.push_jacobian(f, jac)
 
-    def sample_logits(self, num: int, classifier: Classifier, x: torch.Tensor | None,
-                      phi: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    def sample_logits(
+        self,
+        num: int,
+        classifier: Classifier,
+        x: torch.Tensor | None,
+        phi: torch.Tensor | None,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
         """BNN predictive: logits ``[M, N, K]`` of the *network* at ``M`` posterior weight draws."""
         draws = self.gaussian.sample(num, generator)
         if self.subset is Subset.LAST_LAYER:
@@ -208,8 +221,12 @@ class LaplacePosterior:
         for key in ("model", "checkpoint", "checkpoint_sha256"):
             if key not in self.meta:
                 raise BayescliError(f"the posterior file lacks '{key}'; refit it with fit-laplace")
-        model = load_classifier(self.meta["model"], checkpoint or self.meta["checkpoint"],
-                                self.meta.get("head"), self.meta["checkpoint_sha256"])
+        model = load_classifier(
+            self.meta["model"],
+            checkpoint or self.meta["checkpoint"],
+            self.meta.get("head"),
+            self.meta["checkpoint_sha256"],
+        )
         if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
             raise BayescliError(
                 f"the posterior has {self.meta['num_classes']} classes but the model has "
@@ -246,7 +263,9 @@ class LaplacePosterior:
         if meta.get("format") != FORMAT:
             raise BayescliError(f"{path} is not a bayescli posterior file; create one with fit-laplace")
         if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise BayescliError(f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade")
+            raise BayescliError(
+                f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade"
+            )
         delta = float(meta["prior_precision"])
         mean = tensors["mean"]
         structure = meta["hessian"]
@@ -260,12 +279,30 @@ class LaplacePosterior:
         except (KeyError, ValueError) as exc:
             raise BayescliError(f"{path} is missing or has malformed tensors ({exc}); refit it") from None
         keep = {k: v for k, v in meta.items() if k not in _OWN_KEYS}
-        return cls(gauss, Subset(meta["subset"]), CurvatureType(meta["curvature"]), bool(meta["head_bias"]),
-                   int(meta["n_data"]), meta.get("log_likelihood"), keep)
+        return cls(
+            gauss,
+            Subset(meta["subset"]),
+            CurvatureType(meta["curvature"]),
+            bool(meta["head_bias"]),
+            int(meta["n_data"]),
+            meta.get("log_likelihood"),
+            keep,
+        )
 
 
-_OWN_KEYS = {"format", "format_version", "bayescli_version", "method", "subset", "hessian", "curvature",
-             "head_bias", "n_data", "log_likelihood", "prior_precision"}
+_OWN_KEYS = {
+    "format",
+    "format_version",
+    "bayescli_version",
+    "method",
+    "subset",
+    "hessian",
+    "curvature",
+    "head_bias",
+    "n_data",
+    "log_likelihood",
+    "prior_precision",
+}
 
 
 def fit_laplace(
@@ -288,8 +325,9 @@ def fit_laplace(
     """
     start = time.perf_counter()
     if Subset(subset) is Subset.LAST_LAYER:
-        post = LaplacePosterior.fit_last_layer(phi, labels, classifier.head, structure, curvature,
-                                               backend, batch_size, seed)
+        post = LaplacePosterior.fit_last_layer(
+            phi, labels, classifier.head, structure, curvature, backend, batch_size, seed
+        )
     else:
         post = LaplacePosterior.fit_all_layers(classifier, batches, structure, curvature, seed)
     if prior_precision == "auto":

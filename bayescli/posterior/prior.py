@@ -31,7 +31,9 @@ def log_marglik(gaussian: WeightGaussian, log_lik: float, delta: float | torch.T
     return log_lik + 0.5 * p * torch.log(d) - 0.5 * d * theta2 - 0.5 * gaussian.log_det_precision(d)
 
 
-def optimise_marglik(gaussian: WeightGaussian, log_lik: float, grid_points: int = 49) -> tuple[float, list[list[float]]]:
+def optimise_marglik(
+    gaussian: WeightGaussian, log_lik: float, grid_points: int = 49
+) -> tuple[float, list[list[float]]]:
     """``argmax_δ log p(D | δ)`` and the objective curve ``[[δ, value], ...]`` on the grid."""
     grid = torch.logspace(*LOG10_RANGE, grid_points, dtype=torch.float64)
     values = log_marglik(gaussian, log_lik, grid)
@@ -44,7 +46,7 @@ def optimise_marglik(gaussian: WeightGaussian, log_lik: float, grid_points: int 
         method="bounded",
         options={"xatol": 1e-6},
     )
-    delta = float(10.0 ** res.x) if -res.fun >= values[best].item() else grid[best].item()
+    delta = float(10.0**res.x) if -res.fun >= values[best].item() else grid[best].item()
     return delta, [[g, v] for g, v in zip(grid.tolist(), values.tolist(), strict=True)]
 
 

@@ -46,8 +46,9 @@ def _as_var(cov_or_var: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     raise BayescliError(f"expected covariances [N,{k},{k}] or variances [N,{k}], got {list(c.shape)}")
 
 
-def correct(mean: torch.Tensor, var: torch.Tensor, rowsum: torch.Tensor,
-            correction: BridgeCorrection | str) -> tuple[torch.Tensor, torch.Tensor]:
+def correct(
+    mean: torch.Tensor, var: torch.Tensor, rowsum: torch.Tensor, correction: BridgeCorrection | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply ``correction`` given ``μ``, ``diag Σ`` and ``Σ1`` (all ``[N,K]``); returns ``(μ, diag Σ)``."""
     correction = BridgeCorrection(correction)
     mu, var = mean.double(), var.double()
@@ -81,8 +82,9 @@ def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_bracket - var.clamp_min(1e-300).log())
 
 
-def laplace_bridge(mean: torch.Tensor, cov_or_var: torch.Tensor,
-                   correction: BridgeCorrection | str = DEFAULT_CORRECTION) -> torch.Tensor:
+def laplace_bridge(
+    mean: torch.Tensor, cov_or_var: torch.Tensor, correction: BridgeCorrection | str = DEFAULT_CORRECTION
+) -> torch.Tensor:
     """Dirichlet ``α [N, K]`` approximating softmax(z), ``z ~ N(mean, Σ)`` (eq. 7 + ``correction``).
 
     ``cov_or_var`` is ``Σ [N, K, K]`` or its diagonal ``[N, K]`` (then ``Σ1 = diag Σ``).
@@ -172,8 +174,9 @@ def log_density(alpha: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return log_norm + ((a - 1) * probs.double().clamp_min(1e-300).log()).sum(-1)
 
 
-def dirichlet_from_samples(probs: torch.Tensor, max_iter: int = 100, tol: float = 1e-5,
-                           max_precision: float | None = None) -> torch.Tensor:
+def dirichlet_from_samples(
+    probs: torch.Tensor, max_iter: int = 100, tol: float = 1e-5, max_precision: float | None = None
+) -> torch.Tensor:
     """Fit ``α [N, K]`` to simplex samples ``probs [M, N, K]`` (MC or ensemble members).
 
     Seed ``function-space-vi-dirichlet-prior`` App. eqs. 29–32: the mean ``ᾱ`` is matched to

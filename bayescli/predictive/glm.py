@@ -43,8 +43,13 @@ class Prediction:
     timings: dict = field(default_factory=dict)
 
 
-def logit_gaussian(posterior: LaplacePosterior, feats: Features, classifier: Classifier | None = None,
-                   data: ArrayData | None = None, batch_size: int = 256) -> LogitGaussian:
+def logit_gaussian(
+    posterior: LaplacePosterior,
+    feats: Features,
+    classifier: Classifier | None = None,
+    data: ArrayData | None = None,
+    batch_size: int = 256,
+) -> LogitGaussian:
     """GLM logit Gaussians for every input (features for last-layer, inputs for all-layer)."""
     if posterior.subset is Subset.LAST_LAYER:
         return posterior.logit_gaussian(feats.phi)
@@ -52,15 +57,24 @@ def logit_gaussian(posterior: LaplacePosterior, feats: Features, classifier: Cla
     return LogitGaussian.cat(parts)
 
 
-def _bnn_logits(posterior: LaplacePosterior, feats: Features, classifier: Classifier | None,
-                data: ArrayData | None, samples: int, gen: torch.Generator, batch_size: int) -> torch.Tensor:
+def _bnn_logits(
+    posterior: LaplacePosterior,
+    feats: Features,
+    classifier: Classifier | None,
+    data: ArrayData | None,
+    samples: int,
+    gen: torch.Generator,
+    batch_size: int,
+) -> torch.Tensor:
     if posterior.subset is Subset.LAST_LAYER:
         return posterior.sample_logits(samples, classifier, None, feats.phi, gen)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     parts = []
     for x, _ in data.batches(batch_size):
         # Same weight draws for every batch: re-seed per batch.
-        parts.append(posterior.sample_logits(samples, classifier, x, None, torch.Generator().manual_seed(seed)))
+        parts.append(
+            posterior.sample_logits(samples, classifier, x, None, torch.Generator().manual_seed(seed))
+        )
     return torch.cat(parts, dim=1)
 
 

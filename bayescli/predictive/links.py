@@ -58,8 +58,9 @@ def sodpp(lg: LogitGaussian) -> torch.Tensor:
     return (out / out.sum(-1, keepdim=True)).to(lg.mean.dtype)
 
 
-def monte_carlo(lg: LogitGaussian, samples: int, generator: torch.Generator,
-                fit_dirichlet: bool = False) -> LinkOutput:
+def monte_carlo(
+    lg: LogitGaussian, samples: int, generator: torch.Generator, fit_dirichlet: bool = False
+) -> LinkOutput:
     """MC estimate of ``E[softmax(z)]`` with ``samples`` draws per input, in chunks of inputs."""
     n, k = lg.mean.shape
     chunk = max(1, MC_CHUNK_ELEMENTS // max(1, samples * k))

@@ -12,7 +12,9 @@ import torch
 from scipy.special import betaincinv
 
 
-def topk_sizes(alpha: torch.Tensor, threshold: float = 0.05, max_k: int = 10) -> tuple[np.ndarray, np.ndarray]:
+def topk_sizes(
+    alpha: torch.Tensor, threshold: float = 0.05, max_k: int = 10
+) -> tuple[np.ndarray, np.ndarray]:
     """``(order [N, max_k], k [N])``: classes by descending ``α`` and each input's set size."""
     if not 0 < threshold < 1:
         raise ValueError(f"threshold must be in (0, 1), got {threshold}")
@@ -34,8 +36,9 @@ def uncertainty_topk(alpha: torch.Tensor, threshold: float = 0.05, max_k: int = 
     return [torch.from_numpy(order[i, : k[i]].copy()) for i in range(len(k))]
 
 
-def topk_summary(sets: list[torch.Tensor], probs: torch.Tensor, labels: torch.Tensor | None,
-                 max_k: int = 10) -> dict:
+def topk_summary(
+    sets: list[torch.Tensor], probs: torch.Tensor, labels: torch.Tensor | None, max_k: int = 10
+) -> dict:
     """Set sizes (mean, histogram 1..max_k) and, with labels, top-1 accuracy, set accuracy
     (label ∈ set) and fixed top-k accuracy for k = 1..5."""
     sizes = np.array([len(s) for s in sets])
@@ -49,6 +52,7 @@ def topk_summary(sets: list[torch.Tensor], probs: torch.Tensor, labels: torch.Te
         out["set_accuracy"] = float(np.mean([int(y[i]) in set(s.tolist()) for i, s in enumerate(sets)]))
         ranked = probs.argsort(-1, descending=True).cpu().numpy()
         out["fixed_topk_accuracy"] = {
-            str(k): float((ranked[:, :k] == y[:, None]).any(1).mean()) for k in range(1, min(5, probs.shape[1]) + 1)
+            str(k): float((ranked[:, :k] == y[:, None]).any(1).mean())
+            for k in range(1, min(5, probs.shape[1]) + 1)
         }
     return out

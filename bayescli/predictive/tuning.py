@@ -38,5 +38,7 @@ def tune_prior_val_nll(
 
     best, curve = grid_search(objective, grid or DEFAULT_GRID)
     posterior.set_prior_precision(best, "val-nll", curve)
-    posterior.meta["prior"]["objective"] = f"validation NLL ({Predictive(predictive).value}, {Link(link).value})"
+    posterior.meta["prior"]["objective"] = (
+        f"validation NLL ({Predictive(predictive).value}, {Link(link).value})"
+    )
     return best
