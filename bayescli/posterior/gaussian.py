@@ -82,6 +82,12 @@ class LogitGaussian:
             return ((v @ self.basis) * self.spectrum) @ self.basis.T
         return self.var * v
 
+    def rowsum(self) -> torch.Tensor:
+        """``Σ_n 1`` ``[N,K]`` (what the bridge's zero-sum correction needs)."""
+        if self.basis is not None:
+            return (self.spectrum * self.basis.sum(0)) @ self.basis.T
+        return self.cov_matvec(torch.ones_like(self.mean))
+
     def covariance(self) -> torch.Tensor:
         """The full ``Σ [N,K,K]`` (materialised on request)."""
         if self.cov is not None:
@@ -128,6 +134,13 @@ def augment(phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([phi, torch.ones_like(phi[:, :1])], dim=1)
 
 
+def _affine(phi: torch.Tensor, mat: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``φ̃ @ mat`` for ``mat [D(+1), M]`` without building ``φ̃`` (the last row is the bias's)."""
+    if not bias:
+        return phi @ mat
+    return torch.addmm(mat[-1], phi, mat[:-1])
+
+
 class WeightGaussian(ABC):
     """``N(mean, (H + δI)⁻¹)`` over a flat parameter vector of length ``P``."""
 
@@ -148,8 +161,9 @@ class WeightGaussian(ABC):
         """``num`` weight draws ``[M, P]`` (row-major ``[K, D+1]`` layout for heads)."""
 
     @abstractmethod
-    def push_last_layer(self, phi_aug: torch.Tensor) -> LogitGaussian:
-        """Logit Gaussian of ``f = W̃ φ̃`` for ``φ̃ [N, D+1]`` (mean from ``self.mean``)."""
+    def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:
+        """Logit Gaussian of ``f = W̃ φ̃`` for features ``phi [N, D]``; ``bias`` says whether the
+        head's parameters are ``[W, b]`` (then ``φ̃ = [φ; 1]``, never materialised) or ``W``."""
 
     def push_jacobian(self, f: torch.Tensor, jac: torch.Tensor) -> LogitGaussian:
         """Logit Gaussian ``N(f, J Σ Jᵀ)`` for ``f [N,K]`` and ``J [N,K,P]``."""
@@ -194,9 +208,9 @@ class DiagGaussian(WeightGaussian):
         eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype)
         return flat + eps * self.variance().reshape(-1).sqrt()
 
-    def push_last_layer(self, phi_aug: torch.Tensor) -> LogitGaussian:
-        var = phi_aug.pow(2) @ self.variance().T
-        return LogitGaussian(phi_aug @ self.mean.T, var)
+    def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:
+        s = self.variance()
+        return LogitGaussian(_affine(phi, self.mean.T, bias), _affine(phi.square(), s.T, bias))
 
     def push_jacobian(self, f: torch.Tensor, jac: torch.Tensor) -> LogitGaussian:
         s = self.variance().reshape(-1)
@@ -224,6 +238,9 @@ class KronGaussian(WeightGaussian):
         a, self.Q_A = torch.linalg.eigh(A)
         # Eigenvalues of PSD factors may come out at -1e-7; they are zero in exact arithmetic.
         self.g, self.a = g.clamp_min(0), a.clamp_min(0)
+        # One GEMM gives both the logit mean and u = Q_Aᵀφ̃ for every input.
+        self._mean_and_basis = torch.cat([mean.T, self.Q_A], dim=1)  # [D+1, K + D+1]
+        self._Q_G2 = self.Q_G.pow(2).T.contiguous()  # var_k = Σ_i Q_G[k,i]² spectrum_i
         self._refresh()
 
     def _refresh(self) -> None:
@@ -239,11 +256,11 @@ class KronGaussian(WeightGaussian):
         w = self.mean + self.Q_G @ (eps * self.inv_eig.sqrt()) @ self.Q_A.T
         return w.reshape(num, -1)
 
-    def push_last_layer(self, phi_aug: torch.Tensor) -> LogitGaussian:
-        u2 = (phi_aug @ self.Q_A).pow(2)  # [N, D+1]
-        spectrum = u2 @ self.inv_eig.T  # [N, K]
-        var = spectrum @ self.Q_G.pow(2).T
-        return LogitGaussian(phi_aug @ self.mean.T, var, basis=self.Q_G, spectrum=spectrum)
+    def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:
+        k = self.mean.shape[0]
+        both = _affine(phi, self._mean_and_basis, bias)  # [N, K + D+1]
+        spectrum = both[:, k:].square_() @ self.inv_eig.T  # [N, K]
+        return LogitGaussian(both[:, :k], spectrum @ self._Q_G2, basis=self.Q_G, spectrum=spectrum)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"mean": self.mean, "kron_G": self.G, "kron_A": self.A}
@@ -283,7 +300,8 @@ class FullGaussian(WeightGaussian):
         eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype)
         return flat + eps @ self.cov_factor.T
 
-    def push_last_layer(self, phi_aug: torch.Tensor) -> LogitGaussian:
+    def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:
+        phi_aug = augment(phi) if bias else phi
         k, d1 = self.mean.shape
         jl = torch.einsum("nd,kdp->nkp", phi_aug, self.cov_factor.reshape(k, d1, -1))  # J L
         cov = jl @ jl.transpose(1, 2)

@@ -177,8 +177,7 @@ class LaplacePosterior:
         """GLM logit Gaussian for last-layer features ``phi [N, D]`` (no per-input Jacobian)."""
         if self.subset is not Subset.LAST_LAYER:
             raise BayescliError("this posterior covers all layers; use logit_gaussian_inputs")
-        phi_aug = augment(phi) if self.head_bias else phi
-        return self.gaussian.push_last_layer(phi_aug.to(self.gaussian.mean.dtype))
+        return self.gaussian.push_last_layer(phi.to(self.gaussian.mean.dtype), self.head_bias)
 
     def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
         """GLM logit Gaussian ``N(f(x), J Σ Jᵀ)`` for all-layer posteriors, ``x [N, ...]`` in pixel space."""

@@ -45,7 +45,8 @@ class LinkOutput:
 
 def probit(lg: LogitGaussian) -> torch.Tensor:
     """Extended MacKay approximation of ``E[softmax(z)]``."""
-    return (lg.mean / torch.sqrt(1 + math.pi * lg.var / 8)).softmax(-1)
+    scale = (lg.var * (math.pi / 8)).add_(1).rsqrt_()
+    return scale.mul_(lg.mean).softmax(-1)
 
 
 def sodpp(lg: LogitGaussian) -> torch.Tensor:
@@ -80,8 +81,7 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
     The zero-sum correction needs only ``diag Σ`` and ``Σ1``, which every form provides
     without building ``Σ``.
     """
-    rowsum = lg.cov_matvec(torch.ones_like(lg.mean))
-    mu, var = dirichlet.correct(lg.mean, lg.var, rowsum, correction)
+    mu, var = dirichlet.correct(lg.mean, lg.var, lg.rowsum(), correction)
     return dirichlet.bridge_alpha(mu, var)
 
 

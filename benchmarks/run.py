@@ -1,0 +1,14 @@
+"""Run every benchmark in one go (``make bench``) and print their tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+if __name__ == "__main__":
+    for script in ("heads.py", "bridge.py", "pipeline.py"):
+        print(f"\n=== {script}", flush=True)
+        subprocess.run([sys.executable, str(HERE / script)], check=False)
