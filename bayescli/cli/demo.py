@@ -91,7 +91,11 @@ def demo(
         "bayescli_version": __version__,
         "checkpoint": str(ckpt),
         "posterior": str(post_path),
-        "posterior_summary": {**c.posterior_summary(post), "prior_precision": marglik_delta, "prior_method": "marglik"},
+        "posterior_summary": {
+            **c.posterior_summary(post),
+            "prior_precision": marglik_delta,
+            "prior_method": "marglik",
+        },
         "val_nll_prior_precision": val_delta,
         "train_accuracy": meta["train_accuracy"],
         "val_accuracy": meta["val_accuracy"],
@@ -117,7 +121,9 @@ def demo(
                 ["fit seconds", post.meta["fit_seconds"]],
             ],
         ),
-        c.metrics_table(f"digits test ({len(test_data)} inputs): MAP vs Laplace (marglik δ unless noted)", results),
+        c.metrics_table(
+            f"digits test ({len(test_data)} inputs): MAP vs Laplace (marglik δ unless noted)", results
+        ),
         c.table("uncertainty-aware top-k (bridge, T=0.05)", ["", "value"], topk_rows),
         c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in timings.items()]),
         f"wrote {ckpt}, {post_path}, {out_dir / 'demo.json'}",

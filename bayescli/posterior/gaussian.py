@@ -121,6 +121,7 @@ class LogitGaussian:
     def cat(parts: list[LogitGaussian]) -> LogitGaussian:
         """Concatenate batches (all of the same kind)."""
         first = parts[0]
+
         def cat(name: str) -> torch.Tensor | None:
             if getattr(first, name) is None:
                 return None

@@ -88,7 +88,9 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
     parts = []
     for start in range(0, len(lg), rows):
         sl = slice(start, start + rows)
-        parts.append(dirichlet.bridge_alpha(*dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction)))
+        parts.append(
+            dirichlet.bridge_alpha(*dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction))
+        )
     return torch.cat(parts)
 
 
