@@ -8,6 +8,8 @@ confidence 1.0 in the last bin; MMC is the mean max probability; entropy is in n
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 ECE_BINS = 15
@@ -70,3 +72,54 @@ def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[
         }
     out |= {"mmc": mmc(probs), "entropy": entropy(probs).mean().item()}
     return out
+
+
+def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> dict[str, list[float]]:
+    """Per-bin ``count``, mean ``confidence`` and ``accuracy`` (bins as in :func:`ece`)."""
+    conf, pred = probs.double().max(-1)
+    correct = (pred == y).double()
+    idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
+    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(conf))
+    acc = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, correct)
+    cs = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, conf)
+    safe = n.clamp_min(1)
+    return {"count": n.tolist(), "confidence": (cs / safe).tolist(), "accuracy": (acc / safe).tolist()}
+
+
+def selective(
+    probs: torch.Tensor, y: torch.Tensor, coverages: tuple[float, ...] = (0.5, 0.8, 0.9)
+) -> dict[str, float]:
+    """Accuracy on the most confident fraction of inputs, and the area under the risk–coverage
+    curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better)."""
+    conf, pred = probs.double().max(-1)
+    correct = (pred == y).double()[conf.argsort(descending=True)]
+    n = len(correct)
+    cum_acc = correct.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64)
+    out = {
+        f"accuracy_at_{int(round(100 * c))}": cum_acc[max(1, math.ceil(c * n)) - 1].item() for c in coverages
+    }
+    out["aurc"] = (1 - cum_acc).mean().item()
+    return out
+
+
+def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: int = 101) -> dict:
+    """Detection of OOD inputs by a score where *higher means in-distribution*.
+
+    In-distribution is the positive class: AUROC, AUPR-in (average precision, in positive),
+    AUPR-out (out positive, score negated), FPR at 95% TPR, and a down-sampled ROC curve.
+    """
+    from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+
+    s = torch.cat([score_in, score_out]).double().numpy()
+    label = torch.cat([torch.ones(len(score_in)), torch.zeros(len(score_out))]).numpy()
+    fpr, tpr, _ = roc_curve(label, s)
+    keep = sorted(
+        {int(round(i)) for i in torch.linspace(0, len(fpr) - 1, min(curve_points, len(fpr))).tolist()}
+    )
+    return {
+        "auroc": float(roc_auc_score(label, s)),
+        "aupr_in": float(average_precision_score(label, s)),
+        "aupr_out": float(average_precision_score(1 - label, -s)),
+        "fpr95": float(fpr[(tpr >= 0.95).argmax()]),
+        "roc": {"fpr": [float(fpr[i]) for i in keep], "tpr": [float(tpr[i]) for i in keep]},
+    }

@@ -1,5 +1,7 @@
 """Progress bars for long loops, on stderr so ``--json`` stdout stays machine-readable.
 
+Bars are drawn only when stderr is a terminal: logs of CI jobs get no control sequences.
+
 The library calls :func:`track`; whether anything is drawn is a process-wide setting the CLI
 controls (``--quiet``), so the maths modules need not know about terminals.
 """
@@ -33,7 +35,7 @@ def set_enabled(enabled: bool) -> None:
 
 def track(items: Iterable[T], total: int | None = None, description: str = "") -> Iterator[T]:
     """Iterate over ``items`` with a transient rich progress bar on stderr (if enabled)."""
-    if not _enabled:
+    if not (_enabled and stderr_console.is_terminal):
         yield from items
         return
     columns = (

@@ -11,6 +11,7 @@ import typer
 from bayescli import __version__
 from bayescli.cli import common
 from bayescli.cli.demo import demo
+from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
@@ -52,6 +53,8 @@ app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)
+app.command("evaluate")(evaluate_cmd)
+app.command("report")(report_cmd)
 app.command()(demo)
 
 

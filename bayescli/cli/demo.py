@@ -9,6 +9,10 @@ import typer
 
 from bayescli import __version__
 from bayescli.cli import common as c
+from bayescli.data.shifts import parse_angles
+from bayescli.evaluation.attacks import parse_epsilons
+from bayescli.evaluation.methods import DEFAULT_METHODS, parse_methods
+from bayescli.evaluation.runner import EvalConfig, run_evaluation
 from bayescli.features import extract_features
 from bayescli.io import write_json
 from bayescli.metrics import classification_summary
@@ -18,6 +22,7 @@ from bayescli.predictive import dirichlet
 from bayescli.predictive.glm import predict
 from bayescli.predictive.topk import topk_summary, uncertainty_topk
 from bayescli.predictive.tuning import tune_prior_val_nll
+from bayescli.report import write_report
 from bayescli.train import TrainConfig, save_checkpoint, train_classifier
 
 
@@ -31,7 +36,8 @@ def demo(
     as_json: c.Json = False,
 ) -> None:
     """Train a small CNN on digits, fit a last-layer KFAC Laplace, compare MAP with the
-    Laplace predictives on the test split and build uncertainty-aware top-k sets.
+    Laplace predictives on the test split, build uncertainty-aware top-k sets, and run the
+    evaluation suites (OOD, rotation, corruptions, FGSM) into report.json and report.html.
 
     Example: bayescli demo --out-dir demo-output
     """
@@ -105,6 +111,27 @@ def demo(
         "timings": timings,
     }
     write_json(out_dir / "demo.json", report)
+
+    # The evaluation suites, with the marglik posterior as saved.
+    post.set_prior_precision(marglik_delta, "marglik", post.meta["prior"]["curve"])
+    cfg = EvalConfig(
+        methods=parse_methods(DEFAULT_METHODS),
+        ood=["noise:uniform", "patches"],
+        rotations=parse_angles("0:180:15"),
+        corruptions=["gaussian_noise", "defocus_blur", "contrast", "pixelate", "jpeg_compression"],
+        severities=[1, 3, 5],
+        epsilons=parse_epsilons("0,2/255,8/255"),
+        seed=seed,
+        device=dev,
+    )
+    evaluation = run_evaluation(post, model, test_data, cfg)
+    write_json(out_dir / "report.json", evaluation)
+    write_report(evaluation, html_path=out_dir / "report.html")
+    ood_rows = [
+        [name, m, r["max_prob"]["auroc"], r["mmc"]]
+        for name, per in evaluation["results"]["ood"].items()
+        for m, r in per.items()
+    ]
     topk_rows = [[k, v] for k, v in topk.items() if not isinstance(v, dict)]
     topk_rows.append(["k histogram", " ".join(f"{k}:{v}" for k, v in topk["k_histogram"].items() if v)])
     c.show(
@@ -126,6 +153,8 @@ def demo(
         ),
         c.table("uncertainty-aware top-k (bridge, T=0.05)", ["", "value"], topk_rows),
         c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in timings.items()]),
-        f"wrote {ckpt}, {post_path}, {out_dir / 'demo.json'}",
+        c.table("OOD detection (max-prob score)", ["set", "method", "AUROC", "MMC"], ood_rows),
+        f"evaluation suites: {evaluation['timings']['total']:.1f} s; "
+        f"wrote {ckpt}, {post_path} and demo.json, report.json, report.html in {out_dir}",
         payload=report,
     )

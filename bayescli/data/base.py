@@ -23,10 +23,13 @@ class ArrayData:
     y: torch.Tensor | None
     class_names: list[str]
     info: dict = field(default_factory=dict)
+    index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.y is not None and len(self.y) != len(self.x):
             raise BayescliError(f"{len(self.x)} inputs but {len(self.y)} labels in {self.spec}")
+        if self.index is None:
+            self.index = torch.arange(len(self.x))
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -61,6 +64,7 @@ class ArrayData:
             None if self.y is None else self.y[index],
             self.class_names,
             {**self.info, **info},
+            self.index[index],
         )
 
     def check_finite(self) -> None:

@@ -82,7 +82,8 @@ def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int], ArrayData
     def load(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
         split = spec.split or "test"
         if split == "test":
-            return loader(root, False, download).subset(slice(None), split="test")
+            full = loader(root, False, download)
+            return full.subset(slice(None), split="test", source_size=len(full))
         full = loader(root, True, download)
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed))
         n_val = len(full) // 10

@@ -41,6 +41,7 @@ class Prediction:
     predictive: str
     link: str
     timings: dict = field(default_factory=dict)
+    expected_entropy: torch.Tensor | None = None
 
 
 def logit_gaussian(
@@ -115,8 +116,11 @@ def predict(
         if link is Link.MC:
             probs = draws.softmax(-1)
             alpha = dirichlet.dirichlet_from_samples(probs) if fit_dirichlet else None
-            out = LinkOutput(probs.mean(0), alpha, probs.std(0))
+            ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean(0)
+            out = LinkOutput(probs.mean(0), alpha, probs.std(0), ent)
         else:
             out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
     timings["link"] = time.perf_counter() - start
-    return Prediction(out.probs, lg, out.alpha, out.std, predictive.value, link.value, timings)
+    return Prediction(
+        out.probs, lg, out.alpha, out.std, predictive.value, link.value, timings, out.expected_entropy
+    )

@@ -37,11 +37,13 @@ class Link(str, Enum):
 @dataclass
 class LinkOutput:
     """``probs [N, K]``; ``alpha [N, K]`` for the bridge (or a Dirichlet fitted to MC samples);
-    ``std [N, K]`` the spread of the MC samples' probabilities."""
+    for MC, ``std [N, K]`` the spread of the samples' probabilities and ``expected_entropy [N]``
+    the samples' mean entropy (so that mutual information = H[probs] − expected_entropy)."""
 
     probs: torch.Tensor
     alpha: torch.Tensor | None = None
     std: torch.Tensor | None = None
+    expected_entropy: torch.Tensor | None = None
 
 
 def probit(lg: LogitGaussian) -> torch.Tensor:
@@ -66,14 +68,16 @@ def monte_carlo(
     """MC estimate of ``E[softmax(z)]`` with ``samples`` draws per input, in chunks of inputs."""
     n, k = lg.mean.shape
     chunk = max(1, MC_CHUNK_ELEMENTS // max(1, samples * k))
-    means, stds, alphas = [], [], []
+    means, stds, alphas, ents = [], [], [], []
     for start in range(0, n, chunk):
         probs = lg.slice(slice(start, start + chunk)).sample(samples, generator).softmax(-1)
         means.append(probs.mean(0))
         stds.append(probs.std(0) if samples > 1 else torch.zeros_like(probs[0]))
+        ents.append(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean(0))
         if fit_dirichlet:
             alphas.append(dirichlet.dirichlet_from_samples(probs))
-    return LinkOutput(torch.cat(means), torch.cat(alphas) if fit_dirichlet else None, torch.cat(stds))
+    alpha = torch.cat(alphas) if fit_dirichlet else None
+    return LinkOutput(torch.cat(means), alpha, torch.cat(stds), torch.cat(ents))
 
 
 def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRECTION) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""``bayescli evaluate`` and ``bayescli report``: suites, JSON report, HTML, CI gates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bayescli.cli import common as c
+from bayescli.data.corruptions import parse_corruptions, parse_severities
+from bayescli.data.shifts import parse_angles
+from bayescli.evaluation.attacks import parse_epsilons
+from bayescli.evaluation.gates import check_gates, parse_gate
+from bayescli.evaluation.methods import DEFAULT_METHODS, parse_methods
+from bayescli.evaluation.runner import EvalConfig, run_evaluation
+from bayescli.io import read_json, write_json
+from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.report import write_report
+
+
+def evaluate_cmd(
+    posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
+    data: Annotated[str, typer.Option(help="Labelled in-distribution test data, e.g. digits:test.")],
+    out: Annotated[Path | None, typer.Option(help="Report JSON to write.")] = None,
+    html_out: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report.")] = None,
+    methods: Annotated[
+        str, typer.Option(help="map and/or PREDICTIVE-LINK, comma-separated.")
+    ] = DEFAULT_METHODS,
+    ood: Annotated[
+        list[str] | None,
+        typer.Option(help="OOD set (repeatable): noise:uniform, noise:gaussian, patches or a data spec."),
+    ] = None,
+    ood_limit: Annotated[
+        int | None, typer.Option(min=1, help="Inputs per OOD set (default: as many as the test set).")
+    ] = None,
+    rotation: Annotated[str | None, typer.Option(help="Angles START:STOP:STEP, e.g. 0:180:15.")] = None,
+    corruption: Annotated[str | None, typer.Option(help="all or NAME,NAME,...")] = None,
+    severity: Annotated[str, typer.Option(help="1-5 or 1,3,5.")] = "1-5",
+    corruption_root: Annotated[
+        Path | None, typer.Option(help="Folder with official CIFAR-10-C/-100-C/MNIST-C .npy files.")
+    ] = None,
+    fgsm: Annotated[str | None, typer.Option(help="FGSM ε list in pixel units, e.g. 0,2/255,8/255.")] = None,
+    fail_if: Annotated[
+        list[str] | None,
+        typer.Option("--fail-if", help='Gate "PATH OP NUMBER" (repeatable); exit 1 if it holds.'),
+    ] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn methods.")] = 1000,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
+    ] = None,
+    data_root: c.DataRoot = Path("data"),
+    download: c.Download = False,
+    limit: c.Limit = None,
+    batch_size: c.BatchSize = 256,
+    device: c.Device = "auto",
+    seed: c.Seed = 0,
+    quiet: c.Quiet = False,
+    as_json: c.Json = False,
+) -> int:
+    """Compare MAP with Laplace predictives on in-distribution, OOD, rotated, corrupted and
+    adversarial inputs; write one JSON report and gate on it.
+
+    Example: bayescli evaluate --posterior posterior.safetensors --data digits:test --ood noise:uniform
+    --ood patches --rotation 0:180:15 --corruption all --fgsm 0,2/255,8/255 --out report.json
+    --html report.html --fail-if "ood.patches.glm-probit.max_prob.auroc < 0.8"
+    """
+    c.setup(quiet, as_json, seed)
+    gates = [parse_gate(g) for g in fail_if or []]
+    cfg = EvalConfig(
+        methods=parse_methods(methods),
+        ood=list(ood or []),
+        ood_limit=ood_limit,
+        rotations=parse_angles(rotation) if rotation else [],
+        corruptions=parse_corruptions(corruption) if corruption else [],
+        severities=parse_severities(severity),
+        corruption_root=corruption_root,
+        epsilons=parse_epsilons(fgsm) if fgsm else [],
+        samples=samples,
+        seed=seed,
+        batch_size=batch_size,
+        data_root=data_root,
+        download=download,
+        device=c.device_of(device),
+    )
+    post = LaplacePosterior.load(posterior)
+    model = post.load_model(checkpoint)
+    test = c.load(data, data_root, download, limit, seed)
+    c.check_labels(test, model.classifier.num_classes)
+    report = run_evaluation(post, model, test, cfg)
+    report["posterior_file"] = str(posterior)
+    outcomes = check_gates(report["results"], gates)
+    if outcomes:
+        report["gates"] = outcomes
+    if out is not None:
+        write_json(out, report)
+    if html_out is not None:
+        write_report(report, html_path=html_out)
+    res = report["results"]
+    tables = [
+        c.metrics_table(
+            f"in-distribution: {test.spec}",
+            {
+                m: {k: v[k] for k in ("accuracy", "nll", "ece", "brier", "mmc", "aurc")}
+                for m, v in res["in_distribution"].items()
+            },
+        )
+    ]
+    if "ood" in res:
+        rows = [
+            [name, m, r["max_prob"]["auroc"], r["max_prob"]["fpr95"], r["mmc"]]
+            for name, per in res["ood"].items()
+            for m, r in per.items()
+        ]
+        tables.append(c.table("OOD (max-prob score)", ["set", "method", "AUROC", "FPR@95", "MMC"], rows))
+    for suite in ("rotation", "fgsm"):
+        if suite in res:
+            keys = list(res[suite])
+            rows = [[m, *(res[suite][k][m]["accuracy"] for k in keys)] for m in res["in_distribution"]]
+            tables.append(c.table(f"{suite}: accuracy", ["method", *keys], rows))
+    if "corruption" in res:
+        rows = []
+        for m in res["in_distribution"]:
+            per = [s[m]["accuracy"] for sev in res["corruption"].values() for s in sev.values()]
+            rows.append([m, sum(per) / len(per)])
+        tables.append(c.table("corruption: mean accuracy", ["method", "accuracy"], rows))
+    tables.append(c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in report["timings"].items()]))
+    for g in outcomes:
+        tables.append(
+            f"[{'red' if g['failed'] else 'green'}]{'FAILED' if g['failed'] else 'passed'}: "
+            f"{g['condition']} (value {g['value']:.4f})"
+        )
+    c.show(quiet, as_json, *tables, payload=report)
+    failed = [g for g in outcomes if g["failed"]]
+    if failed:
+        typer.echo(
+            "gate failed: " + "; ".join(f"{g['condition']} (value {g['value']:.4g})" for g in failed),
+            err=True,
+        )
+        return 1
+    return 0
+
+
+def report_cmd(
+    report: Annotated[Path, typer.Argument(help="Report JSON written by evaluate.")],
+    out: Annotated[Path | None, typer.Option(help="HTML page to write.")] = None,
+    png_dir: Annotated[
+        Path | None, typer.Option(help="Also write each figure as PNG into this folder.")
+    ] = None,
+) -> None:
+    """Draw reliability diagrams, shift curves and ROC curves from a report.
+
+    Example: bayescli report report.json --out report.html --png-dir figures
+    """
+    data = read_json(report)
+    if not isinstance(data, dict) or data.get("kind") != "evaluation":
+        raise typer.BadParameter(f"{report} is not a bayescli evaluation report", param_hint="REPORT")
+    if out is None and png_dir is None:
+        out = report.with_suffix(".html")
+    for path in write_report(data, out, png_dir):
+        typer.echo(f"wrote {path}")

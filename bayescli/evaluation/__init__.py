@@ -1,0 +1,1 @@
+"""Evaluation suites (in-distribution, OOD, rotation, corruption, FGSM), reports and CI gates."""

@@ -1,0 +1,231 @@
+"""Run the evaluation suites and assemble the report (schema ``report.schema.json``).
+
+The backbone runs once per input set (test set, each OOD set, each angle, corruption and ε);
+all methods share its features. Results are nested as
+``results.<suite>[.<set>].<method>.<metric>`` so that ``--fail-if`` paths read naturally.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bayescli import __version__
+from bayescli.data import ArrayData, load_data
+from bayescli.data.corruptions import APPROXIMATIONS, corrupt, load_official
+from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
+from bayescli.errors import BayescliError
+from bayescli.evaluation.attacks import fgsm
+from bayescli.evaluation.methods import Method, MethodOutput, run_method
+from bayescli.features import check_input_shape, extract_features
+from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
+from bayescli.models import LoadedModel
+from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.progress import track
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class EvalConfig:
+    """What to run (a suite is skipped when its list is empty)."""
+
+    methods: list[Method]
+    ood: list[str] = field(default_factory=list)
+    ood_limit: int | None = None
+    rotations: list[float] = field(default_factory=list)
+    corruptions: list[str] = field(default_factory=list)
+    severities: list[int] = field(default_factory=list)
+    corruption_root: Path | None = None
+    epsilons: list[tuple[str, float]] = field(default_factory=list)
+    samples: int = 1000
+    seed: int = 0
+    batch_size: int = 256
+    data_root: Path = Path("data")
+    download: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class Evaluator:
+    """Holds the posterior, model and timings while the suites run."""
+
+    def __init__(self, posterior: LaplacePosterior, model: LoadedModel, cfg: EvalConfig) -> None:
+        self.post, self.model, self.cfg = posterior, model, cfg
+        self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0, "shift": 0.0}
+        self.n_forward = 0
+
+    def outputs(self, data: ArrayData) -> dict[str, MethodOutput]:
+        """Every method's output on ``data`` (one backbone pass)."""
+        feats = extract_features(self.model, data, self.cfg.batch_size, self.cfg.device)
+        self.model.classifier.cpu()
+        self.timings["forward"] += feats.seconds
+        self.n_forward += len(data)
+        outs = {}
+        for m in self.cfg.methods:
+            out = run_method(
+                m, self.post, feats, self.model.classifier, data, self.cfg.samples, self.cfg.seed
+            )
+            for key, sec in out.seconds.items():
+                self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
+            outs[m.name] = out
+        return outs
+
+    def summaries(self, data: ArrayData) -> dict[str, dict]:
+        """Per-method accuracy, NLL, Brier, ECE, MMC, entropy on a shifted copy of the test set."""
+        return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
+
+
+def _in_distribution(data: ArrayData, outs: dict[str, MethodOutput]) -> dict:
+    res = {}
+    for name, o in outs.items():
+        res[name] = {
+            **classification_summary(o.probs, data.y),
+            **selective(o.probs, data.y),
+            "reliability": reliability(o.probs, data.y),
+        }
+    return res
+
+
+def _ood_key(spec: str) -> str:
+    return spec[:-5] if spec.endswith(":test") else spec
+
+
+def load_ood(spec: str, reference: ArrayData, model: LoadedModel, cfg: EvalConfig) -> ArrayData:
+    """An OOD set shaped like ``reference``: synthetic, or any data spec (test split by default)."""
+    n = cfg.ood_limit or len(reference)
+    if spec in SYNTHETIC_OOD:
+        return synthetic_ood(spec, reference, n, cfg.seed)
+    full = (
+        spec
+        if ":" in spec and spec.split(":", 1)[1] in ("train", "val", "test")
+        else (spec if spec.startswith(("npz:", "imagefolder:")) else f"{spec}:test")
+    )
+    data = load_data(full, cfg.data_root, cfg.download, cfg.ood_limit, cfg.seed)
+    if data.input_shape != reference.input_shape:
+        raise BayescliError(
+            f"OOD set {spec} has inputs {list(data.input_shape)} but the model takes "
+            f"{list(reference.input_shape)}; use a set of the same shape or noise:/patches"
+        )
+    return ArrayData(data.x, None, reference.class_names, data.info)
+
+
+def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayData, cfg: EvalConfig) -> dict:
+    """All requested suites on ``test`` (labelled); returns the report dictionary."""
+    if test.y is None:
+        raise BayescliError(f"{test.spec} has no labels; evaluation needs labelled test data")
+    check_input_shape(model, test)
+    ev = Evaluator(posterior, model, cfg)
+    start = time.perf_counter()
+    clean = ev.outputs(test)
+    results: dict = {"in_distribution": _in_distribution(test, clean)}
+    protocol: dict = {
+        **PROTOCOL,
+        "methods": [m.name for m in cfg.methods],
+        "mc_samples": cfg.samples,
+        "selective_coverages": [0.5, 0.8, 0.9],
+    }
+
+    if cfg.ood:
+        protocol["ood"] = {
+            "positive": "in-distribution",
+            "score_orientation": "higher = in-distribution",
+            "scores": "max_prob, neg_entropy for all; alpha0, neg_mutual_information for "
+            "bridge; neg_mutual_information for sampling methods",
+            "limit": cfg.ood_limit,
+        }
+        results["ood"] = {}
+        for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
+            outs = ev.outputs(load_ood(spec, test, model, cfg))
+            results["ood"][_ood_key(spec)] = {
+                name: {
+                    "mmc": float(o.probs.max(-1).values.double().mean()),
+                    **{score: ood_metrics(clean[name].scores[score], s) for score, s in o.scores.items()},
+                }
+                for name, o in outs.items()
+            }
+
+    if cfg.rotations:
+        protocol["rotation"] = {"angles": cfg.rotations, "interpolation": "bilinear", "fill": 0}
+        results["rotation"] = {}
+        x = test.inputs(slice(None))
+        for angle in track(cfg.rotations, len(cfg.rotations), "rotations"):
+            t0 = time.perf_counter()
+            rotated = ArrayData(rotate(x, angle), test.y, test.class_names, {**test.info, "rotation": angle})
+            ev.timings["shift"] += time.perf_counter() - t0
+            results["rotation"][f"{angle:g}"] = ev.summaries(rotated)
+
+    if cfg.corruptions:
+        official = cfg.corruption_root is not None
+        protocol["corruption"] = {
+            "source": f"official files under {cfg.corruption_root}"
+            if official
+            else "generated (approximation)",
+            "corruptions": cfg.corruptions,
+            "severities": cfg.severities,
+            "substitutes": {}
+            if official
+            else {k: v for k, v in APPROXIMATIONS.items() if k in cfg.corruptions},
+        }
+        results["corruption"] = {}
+        x = test.inputs(slice(None))
+        jobs = [(c, s) for c in cfg.corruptions for s in cfg.severities]
+        for name, sev in track(jobs, len(jobs), "corruptions"):
+            t0 = time.perf_counter()
+            if official:
+                n_test = int(test.info.get("source_size", len(test)))
+                xc = load_official(cfg.corruption_root, name, sev, test.index, n_test)
+            else:
+                gen = torch.Generator().manual_seed(cfg.seed * 1000 + sev)
+                xc = corrupt(x, name, sev, gen)
+            ev.timings["shift"] += time.perf_counter() - t0
+            data = ArrayData(xc, test.y, test.class_names, {**test.info, "corruption": name, "severity": sev})
+            results["corruption"].setdefault(name, {})[str(sev)] = ev.summaries(data)
+
+    if cfg.epsilons:
+        protocol["fgsm"] = {
+            "space": "pixel [0, 1]",
+            "target": "MAP network (white-box)",
+            "epsilons": {k: v for k, v in cfg.epsilons},
+        }
+        results["fgsm"] = {}
+        x = test.inputs(slice(None))
+        clf = model.classifier.cpu()
+        for label, eps in track(cfg.epsilons, len(cfg.epsilons), "FGSM"):
+            t0 = time.perf_counter()
+            xa = fgsm(clf, x, test.y, eps, cfg.batch_size)
+            ev.timings["attack"] += time.perf_counter() - t0
+            data = ArrayData(xa, test.y, test.class_names, {**test.info, "fgsm_eps": eps})
+            results["fgsm"][label] = ev.summaries(data)
+
+    ev.timings["total"] = time.perf_counter() - start
+    ev.timings["forward_inputs"] = ev.n_forward
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "evaluation",
+        "bayescli_version": __version__,
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "device": str(cfg.device),
+            "threads": torch.get_num_threads(),
+        },
+        "model": model.describe(),
+        "posterior": {
+            "subset": posterior.subset.value,
+            "hessian": posterior.structure,
+            "curvature": posterior.curvature.value,
+            "prior_precision": posterior.prior_precision,
+            "prior_method": posterior.meta.get("prior", {}).get("method"),
+            "n_data": posterior.n_data,
+            "fit_data": posterior.meta.get("data"),
+        },
+        "data": test.info,
+        "protocol": protocol,
+        "results": results,
+        "timings": ev.timings,
+    }

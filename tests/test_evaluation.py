@@ -1,0 +1,216 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score, roc_auc_score
+
+from bayescli.data import ArrayData, load_data
+from bayescli.data.corruptions import CORRUPTIONS, corrupt, load_official, parse_severities
+from bayescli.data.shifts import rotate, synthetic_ood
+from bayescli.errors import BayescliError
+from bayescli.evaluation.attacks import fgsm, parse_epsilons
+from bayescli.evaluation.gates import check_gates, parse_gate, resolve
+from bayescli.evaluation.methods import parse_methods
+from bayescli.metrics import ece, ood_metrics, reliability, selective
+from bayescli.models import load_classifier
+
+
+def test_ece_on_constructed_example():
+    # two bins used: conf 0.95 (4 inputs, 3 right) and conf 0.55 (2 inputs, 2 right)
+    probs = torch.tensor([[0.95, 0.05]] * 4 + [[0.55, 0.45]] * 2)
+    y = torch.tensor([0, 0, 0, 1, 0, 0])
+    expected = 4 / 6 * abs(0.75 - 0.95) + 2 / 6 * abs(1.0 - 0.55)
+    assert ece(probs, y) == pytest.approx(expected)
+    rel = reliability(probs, y)
+    assert sum(rel["count"]) == 6 and rel["accuracy"][14] == pytest.approx(0.75)
+
+
+def test_ece_bins_are_right_closed_with_one_in_last_bin():
+    probs = torch.tensor([[1.0, 0.0], [0.75, 0.25], [0.5, 0.5]])  # exact edges with 4 bins
+    rel = reliability(probs, torch.tensor([0, 0, 0]), bins=4)
+    assert rel["count"] == [0.0, 1.0, 1.0, 1.0]  # 0.5 ∈ (0.25, 0.5], 0.75 ∈ (0.5, 0.75], 1 ∈ last
+
+
+def test_ood_metrics_against_sklearn_and_known_fpr95():
+    gen = torch.Generator().manual_seed(0)
+    s_in, s_out = torch.randn(500, generator=gen) + 2, torch.randn(400, generator=gen)
+    m = ood_metrics(s_in, s_out)
+    lab = np.r_[np.ones(500), np.zeros(400)]
+    s = np.r_[s_in.numpy(), s_out.numpy()]
+    assert m["auroc"] == pytest.approx(roc_auc_score(lab, s))
+    assert m["aupr_in"] == pytest.approx(average_precision_score(lab, s))
+    assert m["aupr_out"] == pytest.approx(average_precision_score(1 - lab, -s))
+    # hand-made ROC: in = 1..20, out = 0.5, 1.5, …: the 95% TPR threshold (19 of 20 in) is 2
+    known_in, known_out = torch.arange(1.0, 21.0), torch.tensor([0.5, 1.5, 2.5, 3.5])
+    assert ood_metrics(known_in, known_out)["fpr95"] == pytest.approx(2 / 4)
+
+
+def test_selective_prediction_and_aurc():
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]])
+    y = torch.tensor([0, 1, 0, 1])  # right, wrong, right, wrong by confidence
+    out = selective(probs, y, (0.5, 1.0))
+    assert out["accuracy_at_50"] == 0.5 and out["accuracy_at_100"] == 0.5
+    assert out["aurc"] == pytest.approx(np.mean([0, 0.5, 1 / 3, 0.5]))
+
+
+def test_rotation_by_0_and_360_is_identity_and_90_is_rot90():
+    x = torch.rand(3, 1, 9, 9)
+    assert torch.equal(rotate(x, 0), x) and torch.equal(rotate(x, 360), x)
+    assert torch.allclose(rotate(x, 90), torch.rot90(x, 1, (2, 3)), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)])
+def test_each_corruption_changes_image_grows_with_severity_and_stays_in_range(shape):
+    import torch.nn.functional as F
+
+    digits = load_data("digits:test", limit=16).inputs(slice(None))
+    x = F.interpolate(digits, size=shape[1:], mode="bilinear").repeat(1, shape[0], 1, 1)
+    for name in CORRUPTIONS:
+        change = []
+        for sev in range(1, 6):
+            out = corrupt(x, name, sev, torch.Generator().manual_seed(1))
+            assert out.shape == x.shape and out.min() >= 0 and out.max() <= 1, name
+            change.append((out - x).abs().mean().item())
+        assert min(change) > 0, (name, change)
+        if name == "elastic_transform":
+            # CIFAR-10-C trades a large random affine (severity 1) for local elastic
+            # distortion (severity 5): the pixel change need not grow, the distortion type does.
+            continue
+        assert change[4] > change[0], (name, change)
+        assert all(b >= 0.85 * a for a, b in zip(change, change[1:], strict=False)), (name, change)
+
+
+def test_corruptions_are_seeded():
+    x = torch.rand(2, 3, 16, 16)
+    a = corrupt(x, "snow", 3, torch.Generator().manual_seed(5))
+    b = corrupt(x, "snow", 3, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    with pytest.raises(BayescliError):
+        corrupt(x, "rain", 1, torch.Generator())
+    assert parse_severities("1,3,5") == [1, 3, 5] and parse_severities("2-4") == [2, 3, 4]
+
+
+def test_official_cifar_c_layout(tmp_path):
+    n = 7
+    arr = np.stack([np.full((32, 32, 3), s, dtype=np.uint8) for s in range(5) for _ in range(n)])
+    np.save(tmp_path / "fog.npy", arr)
+    rows = torch.tensor([1, 4])
+    imgs = load_official(tmp_path, "fog", 3, rows, n)
+    assert imgs.shape == (2, 3, 32, 32) and int(imgs.max()) == 2
+    with pytest.raises(BayescliError, match="expected"):
+        load_official(tmp_path, "fog", 1, rows, 10)
+
+
+def test_synthetic_ood_takes_reference_shape():
+    ref = load_data("digits:test", limit=50)
+    for spec in ("noise:uniform", "noise:gaussian", "patches"):
+        ood = synthetic_ood(spec, ref, 20, seed=0)
+        assert ood.x.shape == (20, 1, 8, 8) and ood.x.min() >= 0 and ood.x.max() <= 1
+    rgb = ArrayData(torch.rand(5, 3, 32, 32), None, ["a"], {"spec": "r"})
+    assert synthetic_ood("patches", rgb, 4).x.shape == (4, 3, 32, 32)
+
+
+def test_fgsm_identity_at_zero_and_raises_loss(digits_ckpt):
+    clf = load_classifier("builtin:small-cnn", digits_ckpt).classifier
+    data = load_data("digits:test", limit=100)
+    x, y = data.inputs(slice(None)), data.y
+    assert torch.equal(fgsm(clf, x, y, 0.0), x)
+    loss = torch.nn.functional.cross_entropy
+    with torch.no_grad():
+        base = loss(clf(x), y).item()
+        attacked = fgsm(clf, x, y, 8 / 255)
+        assert loss(clf(attacked), y).item() > base
+        assert (attacked - x).abs().max() <= 8 / 255 + 1e-6 and attacked.min() >= 0 and attacked.max() <= 1
+    assert parse_epsilons("0,2/255,0.5")[1] == ("2/255", pytest.approx(2 / 255))
+    with pytest.raises(BayescliError):
+        parse_epsilons("3/0")
+
+
+def test_methods_and_gates():
+    assert [m.name for m in parse_methods("map,glm-probit,bnn-mc")] == ["map", "glm-probit", "bnn-mc"]
+    with pytest.raises(BayescliError, match="unknown method"):
+        parse_methods("glm-magic")
+    results = {"fgsm": {"0.03": {"map": {"accuracy": 0.5}}}, "ood": {"noise:uniform": {"map": {"mmc": 0.7}}}}
+    assert resolve(results, "fgsm.0.03.map.accuracy") == 0.5
+    out = check_gates(
+        results, [parse_gate("fgsm.0.03.map.accuracy < 0.6"), parse_gate("ood.noise:uniform.map.mmc >= 0.9")]
+    )
+    assert [o["failed"] for o in out] == [True, False]
+    with pytest.raises(BayescliError, match="valid paths"):
+        check_gates(results, [parse_gate("ood.svhn.map.mmc < 1")])
+    with pytest.raises(BayescliError, match="malformed"):
+        parse_gate("accuracy is low")
+
+
+def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_path):
+    from importlib.resources import files
+
+    import jsonschema
+
+    out, html = tmp_path / "report.json", tmp_path / "report.html"
+    args = [
+        "evaluate",
+        "--posterior",
+        digits_posterior,
+        "--data",
+        "digits:test",
+        "--limit",
+        "120",
+        "--methods",
+        "map,glm-probit,glm-bridge,glm-mc",
+        "--samples",
+        "100",
+        "--ood",
+        "noise:uniform",
+        "--ood",
+        "patches",
+        "--ood-limit",
+        "60",
+        "--rotation",
+        "0:90:45",
+        "--corruption",
+        "gaussian_noise,fog",
+        "--severity",
+        "1,5",
+        "--fgsm",
+        "0,8/255",
+        "--out",
+        out,
+        "--html",
+        html,
+    ]
+    res = cli(*args, "--fail-if", "in_distribution.map.accuracy < 0.5")
+    assert res.code == 0, res.err
+    report = json.loads(out.read_text())
+    schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
+    jsonschema.validate(report, schema)
+    r = report["results"]
+    assert set(r) == {"in_distribution", "ood", "rotation", "corruption", "fgsm"}
+    assert "neg_mutual_information" in r["ood"]["patches"]["glm-bridge"]
+    assert "neg_mutual_information" in r["ood"]["patches"]["glm-mc"]
+    assert "alpha0" in r["ood"]["patches"]["glm-bridge"]
+    assert r["rotation"]["0"]["map"]["accuracy"] == r["in_distribution"]["map"]["accuracy"]
+    assert r["fgsm"]["0"]["map"]["accuracy"] == r["in_distribution"]["map"]["accuracy"]
+    assert r["fgsm"]["8/255"]["map"]["nll"] > r["fgsm"]["0"]["map"]["nll"]
+    assert report["protocol"]["corruption"]["source"] == "generated (approximation)"
+    assert report["gates"][0]["failed"] is False
+    assert html.read_text().count("data:image/png;base64") >= 4
+    # the same gate the other way round fails the run with exit 1 and names the condition
+    res = cli(*args, "--fail-if", "in_distribution.map.accuracy > 0.5")
+    assert res.code == 1 and "in_distribution.map.accuracy > 0.5" in res.err
+    res = cli(*args[:5], "--fail-if", "results.nowhere < 1")
+    assert res.code == 2 and "valid paths" in res.err
+    res = cli("report", out, "--png-dir", tmp_path / "png")
+    assert res.code == 0 and (tmp_path / "png" / "ood_roc.png").exists()
+
+
+def test_schema_validates_demo_report(cli, tmp_path):
+    from importlib.resources import files
+
+    import jsonschema
+
+    assert cli("demo", "--out-dir", tmp_path, "--quiet").code == 0
+    schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
+    jsonschema.validate(json.loads((tmp_path / "report.json").read_text()), schema)
+    assert (tmp_path / "report.html").stat().st_size > 10_000
