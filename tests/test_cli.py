@@ -21,7 +21,7 @@ def one_error_line(res) -> str:
 def test_version_and_help(cli):
     assert cli("--version").out.strip().startswith("bayescli ")
     res = cli("--help")
-    for cmd in ("train", "fit-laplace", "predict", "topk", "demo"):
+    for cmd in ("train", "fit-laplace", "predict", "topk", "evaluate", "report", "demo"):
         assert cmd in res.out
     assert "Example:" in cli("predict", "--help").out
 
@@ -354,4 +354,10 @@ def test_demo_runs_end_to_end(cli, tmp_path):
     assert report["results"]["map"]["accuracy"] >= 0.95
     assert {"glm-probit", "glm-bridge"} <= set(report["results"])
     assert report["topk"]["mean_k"] >= 1
-    assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors", "posterior.safetensors", "demo.json"}
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "model.safetensors",
+        "posterior.safetensors",
+        "demo.json",
+        "report.json",
+        "report.html",
+    }

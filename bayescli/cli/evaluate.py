@@ -16,6 +16,7 @@ from bayescli.evaluation.methods import DEFAULT_METHODS, parse_methods
 from bayescli.evaluation.runner import EvalConfig, run_evaluation
 from bayescli.io import read_json, write_json
 from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.predictive.ggp import GGPMode
 from bayescli.report import write_report
 
 
@@ -46,6 +47,10 @@ def evaluate_cmd(
         typer.Option("--fail-if", help='Gate "PATH OP NUMBER" (repeatable); exit 1 if it holds.'),
     ] = None,
     samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn methods.")] = 1000,
+    ggp_points: Annotated[int, typer.Option(min=1, help="Fitting points for ggp-* methods.")] = 1000,
+    ggp_mode: Annotated[
+        GGPMode, typer.Option(help="GGP expansion point for ggp-* methods.")
+    ] = GGPMode.REFINED,
     checkpoint: Annotated[
         Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
     ] = None,
@@ -77,6 +82,8 @@ def evaluate_cmd(
         corruption_root=corruption_root,
         epsilons=parse_epsilons(fgsm) if fgsm else [],
         samples=samples,
+        ggp_points=ggp_points,
+        ggp_mode=ggp_mode.value,
         seed=seed,
         batch_size=batch_size,
         data_root=data_root,

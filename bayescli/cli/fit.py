@@ -53,6 +53,9 @@ def fit_laplace_cmd(
     ] = None,
     predictive: Annotated[Predictive, typer.Option(help="Predictive used by val-nll.")] = Predictive.GLM,
     link: Annotated[Link, typer.Option(help="Link used by val-nll.")] = Link.PROBIT,
+    refine_mode: Annotated[
+        int, typer.Option(min=0, help="Newton/L-BFGS steps to the GLM mode before fitting (last layer).")
+    ] = 0,
     head: c.Head = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
@@ -72,6 +75,8 @@ def fit_laplace_cmd(
     if out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--out")
     prior = parse_prior(prior_precision)
+    if prior == "val-nll" and predictive is Predictive.GGP:
+        raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
     dev = c.device_of(device)
     loaded = load_classifier(model, checkpoint, head)
     fit_data = c.load(data, data_root, download, limit, seed)
@@ -92,6 +97,7 @@ def fit_laplace_cmd(
         initial,
         batch_size=max(batch_size, 1024),
         seed=seed,
+        refine_steps=refine_mode,
     )
     if prior == "val-nll":
         spec = val_data or f"{data.split(':')[0]}:val"
@@ -119,6 +125,13 @@ def fit_laplace_cmd(
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": feats.seconds,
     }
+    if "refinement" in post.meta:
+        ref = post.meta["refinement"]
+        summary |= {
+            "refine_steps_taken": ref["steps_taken"],
+            "objective_at_map": ref["objective_at_map"],
+            "objective_refined": ref["objective_refined"],
+        }
     c.show(
         quiet,
         as_json,

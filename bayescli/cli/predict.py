@@ -15,6 +15,7 @@ from bayescli.io import save_tensors, write_json
 from bayescli.metrics import classification_summary, entropy
 from bayescli.predictive import dirichlet
 from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
+from bayescli.predictive.ggp import GGPMode
 from bayescli.predictive.glm import Predictive, predict
 from bayescli.predictive.links import Link
 
@@ -76,6 +77,12 @@ def predict_cmd(
     ] = False,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
     samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn.")] = 1000,
+    ggp_points: Annotated[
+        int, typer.Option(min=1, help="Fitting points for --predictive ggp (seeded subset).")
+    ] = 1000,
+    ggp_mode: Annotated[
+        GGPMode, typer.Option(help="GGP expansion point: map (f*) or refined (Newton to the mode).")
+    ] = GGPMode.REFINED,
     save_logits: Annotated[
         bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")
     ] = False,
@@ -110,8 +117,24 @@ def predict_cmd(
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
     )
+    ggp = None
+    if predictive is Predictive.GGP:
+        ggp = c.prepare_ggp(
+            post, model, ggp_points, ggp_mode.value, data_root, download, seed, batch_size, device
+        )
     pred = predict(
-        post, feats, predictive, link, samples, seed, model.classifier, test, correction, fit_dirichlet
+        post,
+        feats,
+        predictive,
+        link,
+        samples,
+        seed,
+        model.classifier,
+        test,
+        correction,
+        fit_dirichlet,
+        batch_size,
+        ggp,
     )
     map_probs = feats.logits.softmax(-1)
     method = f"{predictive.value}-{link.value}"
@@ -134,6 +157,7 @@ def predict_cmd(
         "link": link.value,
         "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,
         "bridge_correction": correction.value if link is Link.BRIDGE else None,
+        "ggp": ggp.info if ggp is not None else None,
         "seed": seed,
         "results": results,
         "timings": pred.timings,

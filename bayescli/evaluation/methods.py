@@ -22,6 +22,7 @@ from bayescli.metrics import entropy
 from bayescli.models import Classifier
 from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive import dirichlet
+from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.glm import Predictive, predict
 from bayescli.predictive.links import Link
 
@@ -72,13 +73,14 @@ def run_method(
     data: ArrayData,
     samples: int,
     seed: int,
+    ggp: GGPPredictor | None = None,
 ) -> MethodOutput:
     """Apply ``method`` to the inputs whose features are ``feats``."""
     if method.predictive is None:
         start = time.perf_counter()
         probs = feats.logits.softmax(-1)
         return MethodOutput(probs, _base_scores(probs), {"link": time.perf_counter() - start})
-    pred = predict(posterior, feats, method.predictive, method.link, samples, seed, classifier, data)
+    pred = predict(posterior, feats, method.predictive, method.link, samples, seed, classifier, data, ggp=ggp)
     scores = _base_scores(pred.probs)
     if pred.alpha is not None:
         scores["alpha0"] = dirichlet.precision(pred.alpha)

@@ -25,6 +25,8 @@ from bayescli.features import check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import LoadedModel
 from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.predictive.ggp import GGPPredictor
+from bayescli.predictive.glm import Predictive
 from bayescli.progress import track
 
 SCHEMA_VERSION = 1
@@ -43,6 +45,8 @@ class EvalConfig:
     corruption_root: Path | None = None
     epsilons: list[tuple[str, float]] = field(default_factory=list)
     samples: int = 1000
+    ggp_points: int = 1000
+    ggp_mode: str = "refined"
     seed: int = 0
     batch_size: int = 256
     data_root: Path = Path("data")
@@ -57,6 +61,11 @@ class Evaluator:
         self.post, self.model, self.cfg = posterior, model, cfg
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0, "shift": 0.0}
         self.n_forward = 0
+        self.ggp = None
+        if any(m.predictive is Predictive.GGP for m in cfg.methods):
+            start = time.perf_counter()
+            self.ggp = _fit_ggp(posterior, model, cfg)
+            self.timings["ggp_fit"] = time.perf_counter() - start
 
     def outputs(self, data: ArrayData) -> dict[str, MethodOutput]:
         """Every method's output on ``data`` (one backbone pass)."""
@@ -77,6 +86,18 @@ class Evaluator:
     def summaries(self, data: ArrayData) -> dict[str, dict]:
         """Per-method accuracy, NLL, Brier, ECE, MMC, entropy on a shifted copy of the test set."""
         return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
+
+
+def _fit_ggp(posterior: LaplacePosterior, model: LoadedModel, cfg: EvalConfig) -> GGPPredictor:
+    spec = (posterior.meta.get("data") or {}).get("spec")
+    if not spec:
+        raise BayescliError("the posterior does not record its fitting data, which ggp-* methods need")
+    fit_data = load_data(spec, cfg.data_root, cfg.download, cfg.ggp_points, cfg.seed)
+    feats = extract_features(model, fit_data, cfg.batch_size, cfg.device)
+    model.classifier.cpu()
+    ggp = GGPPredictor(posterior, feats, cfg.ggp_mode == "refined", model.classifier, fit_data)
+    ggp.info |= {"data": fit_data.info}
+    return ggp
 
 
 def _in_distribution(data: ArrayData, outs: dict[str, MethodOutput]) -> dict:

@@ -5,6 +5,8 @@
   :mod:`bayescli.posterior.gaussian`); all-layer posteriors use batched Jacobians.
 * ``bnn``: draw weights from the posterior and run the *network* (seed 003's BNN predictive);
   ``mc`` averages the softmax of the draws, other links see the draws' moment-matched Gaussian.
+* ``ggp``: the same linearised model in function space, Laplace on ``M`` fitting points
+  (:mod:`bayescli.predictive.ggp`); pass the fitted :class:`GGPPredictor` as ``ggp``.
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ from enum import Enum
 import torch
 
 from bayescli.data import ArrayData
+from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.models import Classifier
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.laplace import LaplacePosterior, Subset
 from bayescli.predictive import dirichlet
 from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
+from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.links import Link, LinkOutput, apply_link
 
 
 class Predictive(str, Enum):
     GLM = "glm"
     BNN = "bnn"
+    GGP = "ggp"
 
 
 @dataclass
@@ -91,6 +96,7 @@ def predict(
     correction: BridgeCorrection | str = DEFAULT_CORRECTION,
     fit_dirichlet: bool = False,
     batch_size: int = 256,
+    ggp: GGPPredictor | None = None,
 ) -> Prediction:
     """Predictive probabilities for the inputs whose features are ``feats``.
 
@@ -101,8 +107,13 @@ def predict(
     gen = torch.Generator().manual_seed(seed)
     timings = {"forward": feats.seconds}
     start = time.perf_counter()
-    if predictive is Predictive.GLM:
-        lg = logit_gaussian(posterior, feats, classifier, data, batch_size)
+    if predictive is not Predictive.BNN:
+        if predictive is Predictive.GGP:
+            if ggp is None:
+                raise BayescliError("the GGP predictive needs its fitting points (see --ggp-points)")
+            lg = ggp.logit_gaussian(feats, data, batch_size)
+        else:
+            lg = logit_gaussian(posterior, feats, classifier, data, batch_size)
         timings["predictive"] = time.perf_counter() - start
         start = time.perf_counter()
         out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)

@@ -1,0 +1,188 @@
+"""GGP predictive (function-space Laplace) and GLM mode refinement (seed 003 §2.3–2.5)."""
+
+import pytest
+import torch
+from conftest import random_head
+
+from bayescli.features import Features
+from bayescli.posterior import LaplacePosterior
+from bayescli.posterior.gaussian import augment
+from bayescli.posterior.refine import objective, refine_mode
+from bayescli.predictive.ggp import GGPPredictor
+
+N, D, K, DELTA = 60, 3, 3, 0.5
+
+
+@pytest.fixture
+def problem():
+    gen = torch.Generator().manual_seed(3)
+    phi = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    head = random_head(D, K, seed=3)
+    with torch.no_grad():
+        labels = (head(phi) + 1.5 * torch.randn(N, K, generator=gen, dtype=torch.float64)).argmax(1)
+        logits = head(phi)
+    test = torch.randn(25, D, generator=gen, dtype=torch.float64)
+    return phi, labels, logits, head, test
+
+
+def feats(phi, logits, labels=None):
+    return Features(phi, logits, labels)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_ggp_at_f_star_equals_glm_at_theta_star(problem):
+    phi, labels, logits, head, test = problem
+    post = LaplacePosterior.fit_last_layer(phi, labels, head, "full")
+    post.set_prior_precision(DELTA)
+    glm = post.logit_gaussian(test)
+    ggp = GGPPredictor(post, feats(phi, logits, labels), refine=False).logit_gaussian(feats(test, head(test)))
+    assert rel(ggp.mean, glm.mean) < 1e-5
+    assert rel(ggp.cov, glm.covariance()) < 1e-5
+
+
+def test_refined_ggp_equals_refined_weight_space_laplace(problem):
+    phi, labels, logits, head, test = problem
+    post0 = LaplacePosterior.fit_last_layer(phi, labels, head, "full")
+    w_ref, history = refine_mode(post0.gaussian.mean, augment(phi), labels, DELTA, steps=50)
+    assert all(b >= a for a, b in zip(history, history[1:], strict=False)) and history[-1] > history[0]
+    post = LaplacePosterior.fit_last_layer(phi, labels, head, "full", mean=w_ref)
+    post.set_prior_precision(DELTA)
+    glm = post.logit_gaussian(test)
+    post0.set_prior_precision(DELTA)
+    predictor = GGPPredictor(post0, feats(phi, logits, labels), refine=True)
+    ggp = predictor.logit_gaussian(feats(test, head(test)))
+    assert predictor.info["objective"] == pytest.approx(history[-1], rel=1e-8)
+    assert rel(ggp.mean, glm.mean) < 1e-5
+    assert rel(ggp.cov, glm.covariance()) < 1e-5
+
+
+def test_newton_converges_and_never_decreases_the_objective(problem):
+    phi, labels, logits, head, _ = problem
+    post = LaplacePosterior.fit_last_layer(phi, labels, head, "kron")
+    post.set_prior_precision(DELTA)
+    predictor = GGPPredictor(post, feats(phi, logits, labels), refine=True)
+    hist = predictor.model.history
+    assert all(b >= a - 1e-12 for a, b in zip(hist, hist[1:], strict=False))
+    assert predictor.info["gradient_norm"] < 1e-6
+    assert predictor.info["newton_iterations"] >= 1
+
+
+def test_weight_space_refinement_never_lowers_objective_large_head_lbfgs():
+    gen = torch.Generator().manual_seed(0)
+    phi = torch.randn(300, 400, generator=gen, dtype=torch.float64)
+    w0 = 0.1 * torch.randn(60, 401, generator=gen, dtype=torch.float64)  # 24,060 parameters: L-BFGS
+    labels = torch.randint(0, 60, (300,), generator=gen)
+    w, hist = refine_mode(w0, augment(phi), labels, 1.0, steps=30)
+    assert objective(w, augment(phi), labels, 1.0) >= objective(w0, augment(phi), labels, 1.0)
+    assert hist[-1] >= hist[0]
+
+
+def test_all_layer_ggp_gives_valid_covariances():
+    from bayescli.data import ArrayData
+    from bayescli.models import Classifier
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    clf = Classifier(net, "2").double()
+    x = torch.randn(30, 4, dtype=torch.float64)
+    y = net(x).argmax(1)
+    post = LaplacePosterior.fit_all_layers(clf, [(x, y)], "diag")
+    post.set_prior_precision(1.0)
+    train = ArrayData(x, y, ["a", "b", "c"], {"spec": "t"})
+    fit = Features(torch.zeros(30, 1), net(x).detach(), y)
+    predictor = GGPPredictor(post, fit, refine=True, classifier=clf, fit_data=train)
+    xt = torch.randn(8, 4, dtype=torch.float64)
+    lg = predictor.logit_gaussian(
+        Features(torch.zeros(8, 1), net(xt).detach(), None),
+        ArrayData(xt, None, ["a", "b", "c"], {"spec": "u"}),
+    )
+    assert lg.cov.shape == (8, 3, 3)
+    assert torch.linalg.eigvalsh(lg.cov.double()).min() > -1e-6
+    assert predictor.info["gradient_norm"] < 1e-6
+
+
+def test_refine_mode_through_fit_laplace_and_cli(cli, digits_ckpt, tmp_path):
+    import json
+
+    out = tmp_path / "post.safetensors"
+    res = cli(
+        "fit-laplace",
+        "--model",
+        "builtin:small-cnn",
+        "--checkpoint",
+        digits_ckpt,
+        "--data",
+        "digits:train",
+        "--refine-mode",
+        "20",
+        "--out",
+        out,
+        "--json",
+    )
+    assert res.code == 0, res.err
+    summary = json.loads(res.out)
+    assert summary["objective_refined"] >= summary["objective_at_map"]
+    post = LaplacePosterior.load(out)
+    assert post.meta["refinement"]["steps_taken"] >= 1
+    base = tmp_path / "base.safetensors"
+    assert (
+        cli(
+            "fit-laplace",
+            "--model",
+            "builtin:small-cnn",
+            "--checkpoint",
+            digits_ckpt,
+            "--data",
+            "digits:train",
+            "--out",
+            base,
+            "-q",
+        ).code
+        == 0
+    )
+    nll = {}
+    for name, path in (("map", base), ("refined", out)):
+        r = cli("predict", "--posterior", path, "--data", "digits:test", "--json")
+        nll[name] = json.loads(r.out)["results"]["glm-probit"]["nll"]
+    assert nll["refined"] <= nll["map"] + 0.02, nll
+    res = cli(
+        "predict",
+        "--posterior",
+        base,
+        "--data",
+        "digits:test",
+        "--predictive",
+        "ggp",
+        "--ggp-points",
+        "300",
+        "--ggp-mode",
+        "refined",
+        "--link",
+        "probit",
+        "--json",
+    )
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["ggp"]["points"] == 300 and report["ggp"]["gradient_norm"] < 1e-6
+    assert report["results"]["ggp-probit"]["accuracy"] > 0.9
+    line = cli(
+        "fit-laplace",
+        "--model",
+        "builtin:small-cnn",
+        "--checkpoint",
+        digits_ckpt,
+        "--data",
+        "digits:train",
+        "--subset",
+        "all",
+        "--hessian",
+        "diag",
+        "--refine-mode",
+        "5",
+        "--out",
+        tmp_path / "x.safetensors",
+    )
+    assert line.code == 2 and "last-layer" in line.err
