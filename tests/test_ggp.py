@@ -186,3 +186,20 @@ def test_refine_mode_through_fit_laplace_and_cli(cli, digits_ckpt, tmp_path):
         tmp_path / "x.safetensors",
     )
     assert line.code == 2 and "last-layer" in line.err
+
+
+def test_low_rank_factor_path_equals_dense_kernel_path(problem):
+    from bayescli.predictive.ggp import GGPLaplace
+
+    phi, labels, logits, head, test = problem
+    f = augment(phi) / DELTA**0.5
+    y = torch.nn.functional.one_hot(labels, K).double()
+    dense = GGPLaplace((f @ f.T)[None], torch.zeros_like(y), y).fit(logits, refine=True)
+    low = GGPLaplace(None, torch.zeros_like(y), y, factor=f).fit(logits, refine=True)
+    assert torch.allclose(dense.f, low.f, atol=1e-8)
+    ft = augment(test) / DELTA**0.5
+    a = dense.predict(
+        (f @ ft.T)[None], ft.pow(2).sum(1)[None], torch.zeros(len(test), K, dtype=torch.float64)
+    )
+    b = low.predict((f @ ft.T)[None], ft.pow(2).sum(1)[None], torch.zeros(len(test), K, dtype=torch.float64))
+    assert rel(b.cov, a.cov) < 1e-8 and rel(b.mean, a.mean) < 1e-8

@@ -40,13 +40,17 @@ class GGPMode(str, Enum):
 class GGPLaplace:
     """A fitted GGP Laplace approximation on ``M`` points and ``C`` classes.
 
-    ``kernel [C or 1, M, M]`` (a leading 1 means shared across classes), ``prior_mean [M, C]``,
-    ``y`` one-hot ``[M, C]``; after :meth:`fit`: ``a [C, M]``, ``f [M, C]`` and the objective trace.
+    The kernel is either ``kernel [C or 1, M, M]`` (a leading 1 means shared across classes) or,
+    for a kernel shared by all classes with rank ``R < M``, its factor ``factor [M, R]`` with
+    ``K = F Fᵀ``: then every ``M × M`` inverse goes through Woodbury in ``O(M² R)`` instead of
+    ``O(M³)`` per class (last-layer kernels have ``R = D + 1``). ``prior_mean [M, C]``, ``y``
+    one-hot ``[M, C]``; after :meth:`fit`: ``a [C, M]``, ``f [M, C]`` and the objective trace.
     """
 
-    kernel: torch.Tensor
+    kernel: torch.Tensor | None
     prior_mean: torch.Tensor
     y: torch.Tensor
+    factor: torch.Tensor | None = None
     a: torch.Tensor | None = None
     f: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
@@ -58,6 +62,8 @@ class GGPLaplace:
 
     def _k_times(self, a: torch.Tensor) -> torch.Tensor:
         """``K_c a_c`` for every class: ``[C, M]`` → ``[C, M]``."""
+        if self.factor is not None:
+            return (a @ self.factor) @ self.factor.T
         return torch.einsum("cij,cj->ci", self.kernel.expand(self.num_classes, -1, -1), a)
 
     def objective(self, a: torch.Tensor) -> float:
@@ -71,13 +77,19 @@ class GGPLaplace:
         """``π [C, M]``, ``E [C, M, M]`` and the Cholesky factor of ``Σ_c E_c``."""
         pi = f.softmax(1).T  # [C, M]
         s = pi.sqrt()
-        kmat = self.kernel.expand(self.num_classes, -1, -1)
-        eye = torch.eye(kmat.shape[-1], dtype=kmat.dtype)
-        b = eye + s[:, :, None] * kmat * s[:, None, :]
-        chol = cholesky_jitter(b)
-        # E_c = D^½ B_c⁻¹ D^½
-        binv_s = torch.cholesky_solve(torch.diag_embed(s), chol)
-        e = s[:, :, None] * binv_s
+        m = pi.shape[1]
+        eye = torch.eye(m, dtype=pi.dtype)
+        if self.factor is not None:
+            # Woodbury: E_c = D − D F (I_R + Fᵀ D F)⁻¹ Fᵀ D with D = diag(π_c)
+            fr = self.factor
+            df = pi[:, :, None] * fr  # [C, M, R]
+            inner = torch.eye(fr.shape[1], dtype=pi.dtype) + fr.T @ df  # [C, R, R]
+            sol = torch.linalg.solve(inner, df.transpose(1, 2))  # [C, R, M]
+            e = torch.diag_embed(pi) - df @ sol
+        else:
+            kmat = self.kernel.expand(self.num_classes, -1, -1)
+            chol = cholesky_jitter(eye + s[:, :, None] * kmat * s[:, None, :])
+            e = s[:, :, None] * torch.cholesky_solve(torch.diag_embed(s), chol)  # D^½ B_c⁻¹ D^½
         m_chol = cholesky_jitter(e.sum(0) + _JITTER * eye)
         return pi, e, m_chol
 
@@ -104,7 +116,7 @@ class GGPLaplace:
 
     def fit(self, f_star: torch.Tensor, refine: bool, max_iter: int = 100, gtol: float = 1e-9) -> GGPLaplace:
         """Start at the network's logits ``f_star [M, C]``; with ``refine`` run Newton to the mode."""
-        self.a = _least_squares_a(self.kernel, (f_star - self.prior_mean).T, self.num_classes)
+        self.a = _least_squares_a(self, (f_star - self.prior_mean).T)
         self.history = [self.objective(self.a)]
         if refine:
             for _ in range(max_iter):
@@ -158,10 +170,16 @@ class GGPLaplace:
         return LogitGaussian(mean, cov.diagonal(dim1=1, dim2=2).clone(), cov)
 
 
-def _least_squares_a(kernel: torch.Tensor, g: torch.Tensor, c: int) -> torch.Tensor:
+def _least_squares_a(model: GGPLaplace, g: torch.Tensor) -> torch.Tensor:
     """Minimum-norm ``a_c`` with ``K_c a_c = g_c`` (``K`` may be singular: rank ≤ D+1 < M)."""
-    evals, evecs = torch.linalg.eigh(kernel)
-    cutoff = evals.amax(-1, keepdim=True) * kernel.shape[-1] * torch.finfo(kernel.dtype).eps
+    c = model.num_classes
+    if model.factor is not None:
+        u, sv, _ = torch.linalg.svd(model.factor, full_matrices=False)
+        keep = sv > sv.max() * max(model.factor.shape) * torch.finfo(sv.dtype).eps
+        u, inv = u[:, keep], 1.0 / sv[keep].pow(2)
+        return ((g @ u) * inv) @ u.T
+    evals, evecs = torch.linalg.eigh(model.kernel)
+    cutoff = evals.amax(-1, keepdim=True) * model.kernel.shape[-1] * torch.finfo(evals.dtype).eps
     inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
     evecs, inv = evecs.expand(c, -1, -1), inv.expand(c, -1)
     return torch.einsum("cij,cj,ckj,ck->ci", evecs, inv, evecs, g)
@@ -186,16 +204,20 @@ class GGPPredictor:
         self.last_layer = posterior.subset is Subset.LAST_LAYER
         self.delta = posterior.prior_precision
         y = torch.nn.functional.one_hot(fit_feats.labels, fit_feats.logits.shape[1]).double()
+        factor = None
         if self.last_layer:
             self.train = self._phi(fit_feats.phi)
-            kernel = (self.train @ self.train.T / self.delta)[None]
             prior_mean = torch.zeros_like(y)
             f_star = self.train @ posterior.gaussian.mean.double().T
+            if self.train.shape[1] < self.train.shape[0]:  # low rank: K = F Fᵀ, F = Φ̃/√δ
+                kernel, factor = None, self.train / self.delta**0.5
+            else:
+                kernel = (self.train @ self.train.T / self.delta)[None]
         else:
             x = fit_data.inputs(slice(None))
             self.train_jac, f_star, prior_mean = self._jacobian(x)
             kernel = torch.einsum("mcp,ncp->cmn", self.train_jac, self.train_jac) / self.delta
-        self.model = GGPLaplace(kernel, prior_mean, y).fit(f_star, refine)
+        self.model = GGPLaplace(kernel, prior_mean, y, factor).fit(f_star, refine)
         self.info = {
             "points": len(y),
             "mode": "refined" if refine else "map",
