@@ -31,6 +31,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSO
 DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.")]
 Download = Annotated[bool, typer.Option("--download", help="Download torchvision datasets if missing.")]
 Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.")]
+CheckpointOverride = Annotated[
+    Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
+]
 Head = Annotated[
     str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
 ]

@@ -51,9 +51,7 @@ def evaluate_cmd(
     ggp_mode: Annotated[
         GGPMode, typer.Option(help="GGP expansion point for ggp-* methods.")
     ] = GGPMode.REFINED,
-    checkpoint: Annotated[
-        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
-    ] = None,
+    checkpoint: c.CheckpointOverride = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,

@@ -86,9 +86,7 @@ def predict_cmd(
     save_logits: Annotated[
         bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")
     ] = False,
-    checkpoint: Annotated[
-        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
-    ] = None,
+    checkpoint: c.CheckpointOverride = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,

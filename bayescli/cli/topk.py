@@ -25,9 +25,7 @@ def topk_cmd(
     ] = 0.05,
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
-    checkpoint: Annotated[
-        Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
-    ] = None,
+    checkpoint: c.CheckpointOverride = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
