@@ -17,7 +17,6 @@ from bayescli.errors import BayescliError
 from bayescli.features import extract_features, resolve_device
 from bayescli.io import to_json
 from bayescli.posterior.laplace import LaplacePosterior
-from bayescli.predictive.ggp import GGPPredictor
 
 # Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
 stdout = Console(width=None if sys.stdout.isatty() else 160)
@@ -82,29 +81,6 @@ def prepare_prediction(
     feats = extract_features(model, test, batch_size, device_of(device))
     model.classifier.cpu()
     return post, model, test, feats
-
-
-def prepare_ggp(
-    post: LaplacePosterior,
-    model,
-    points: int,
-    mode: str,
-    root: Path,
-    download: bool,  # noqa: ANN001
-    seed: int,
-    batch_size: int,
-    device: str,
-) -> GGPPredictor:
-    """Fit the GGP predictive on a seeded subset of ``points`` inputs of the posterior's fitting data."""
-    spec = (post.meta.get("data") or {}).get("spec")
-    if not spec:
-        raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
-    fit_data = load(spec, root, download, points, seed)
-    feats = extract_features(model, fit_data, batch_size, device_of(device))
-    model.classifier.cpu()
-    ggp = GGPPredictor(post, feats, mode == "refined", model.classifier, fit_data)
-    ggp.info |= {"data": fit_data.info}
-    return ggp
 
 
 def posterior_summary(post: LaplacePosterior) -> dict:

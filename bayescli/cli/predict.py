@@ -15,7 +15,7 @@ from bayescli.io import save_tensors, write_json
 from bayescli.metrics import classification_summary, entropy
 from bayescli.predictive import dirichlet
 from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
-from bayescli.predictive.ggp import GGPMode
+from bayescli.predictive.ggp import GGPMode, fit_ggp
 from bayescli.predictive.glm import Predictive, predict
 from bayescli.predictive.links import Link
 
@@ -117,8 +117,9 @@ def predict_cmd(
     )
     ggp = None
     if predictive is Predictive.GGP:
-        ggp = c.prepare_ggp(
-            post, model, ggp_points, ggp_mode.value, data_root, download, seed, batch_size, device
+        refine = ggp_mode is GGPMode.REFINED
+        ggp = fit_ggp(
+            post, model, ggp_points, refine, data_root, download, seed, batch_size, c.device_of(device)
         )
     pred = predict(
         post,

@@ -25,7 +25,7 @@ from bayescli.features import check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import LoadedModel
 from bayescli.posterior.laplace import LaplacePosterior
-from bayescli.predictive.ggp import GGPPredictor
+from bayescli.predictive.ggp import fit_ggp
 from bayescli.predictive.glm import Predictive
 from bayescli.progress import track
 
@@ -64,7 +64,17 @@ class Evaluator:
         self.ggp = None
         if any(m.predictive is Predictive.GGP for m in cfg.methods):
             start = time.perf_counter()
-            self.ggp = _fit_ggp(posterior, model, cfg)
+            self.ggp = fit_ggp(
+                posterior,
+                model,
+                cfg.ggp_points,
+                cfg.ggp_mode == "refined",
+                cfg.data_root,
+                cfg.download,
+                cfg.seed,
+                cfg.batch_size,
+                cfg.device,
+            )
             self.timings["ggp_fit"] = time.perf_counter() - start
 
     def outputs(self, data: ArrayData) -> dict[str, MethodOutput]:
@@ -86,18 +96,6 @@ class Evaluator:
     def summaries(self, data: ArrayData) -> dict[str, dict]:
         """Per-method accuracy, NLL, Brier, ECE, MMC, entropy on a shifted copy of the test set."""
         return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
-
-
-def _fit_ggp(posterior: LaplacePosterior, model: LoadedModel, cfg: EvalConfig) -> GGPPredictor:
-    spec = (posterior.meta.get("data") or {}).get("spec")
-    if not spec:
-        raise BayescliError("the posterior does not record its fitting data, which ggp-* methods need")
-    fit_data = load_data(spec, cfg.data_root, cfg.download, cfg.ggp_points, cfg.seed)
-    feats = extract_features(model, fit_data, cfg.batch_size, cfg.device)
-    model.classifier.cpu()
-    ggp = GGPPredictor(posterior, feats, cfg.ggp_mode == "refined", model.classifier, fit_data)
-    ggp.info |= {"data": fit_data.info}
-    return ggp
 
 
 def _in_distribution(data: ArrayData, outs: dict[str, MethodOutput]) -> dict:

@@ -267,3 +267,32 @@ class GGPPredictor:
             lg = self.model.predict(k_cross, k_diag, prior_mean)
             parts.append(LogitGaussian(lg.mean.float(), lg.var.float(), lg.cov.float()))
         return LogitGaussian.cat(parts)
+
+
+def fit_ggp(
+    posterior,
+    model,
+    points: int,
+    refine: bool,
+    root,
+    download: bool = False,  # noqa: ANN001
+    seed: int = 0,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+) -> GGPPredictor:
+    """Fit the GGP on a seeded subset of ``points`` inputs of the posterior's own fitting data.
+
+    The subset's provenance is recorded in ``info["data"]``.
+    """
+    from bayescli.data import load_data
+    from bayescli.features import extract_features
+
+    spec = (posterior.meta.get("data") or {}).get("spec")
+    if not spec:
+        raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
+    fit_data = load_data(spec, root, download, points, seed)
+    feats = extract_features(model, fit_data, batch_size, device)
+    model.classifier.cpu()
+    ggp = GGPPredictor(posterior, feats, refine, model.classifier, fit_data)
+    ggp.info |= {"data": fit_data.info}
+    return ggp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from bayescli.data import ArrayData
+from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.metrics import nll
 from bayescli.models import Classifier
@@ -29,7 +30,7 @@ def tune_prior_val_nll(
 ) -> float:
     """Set ``δ`` to the grid value with the lowest validation NLL under (predictive, link)."""
     if val.labels is None:
-        raise ValueError("val-nll tuning needs labelled validation data")
+        raise BayescliError("--prior-precision val-nll needs labelled validation data")
 
     def objective(delta: float) -> float:
         posterior.gaussian.with_delta(delta)
