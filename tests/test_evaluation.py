@@ -158,9 +158,11 @@ def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_pa
         "--limit",
         "120",
         "--methods",
-        "map,glm-probit,glm-bridge,glm-mc",
+        "map,glm-probit,glm-bridge,glm-mc,ggp-probit",
         "--samples",
         "100",
+        "--ggp-points",
+        "200",
         "--ood",
         "noise:uniform",
         "--ood",
@@ -190,6 +192,7 @@ def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_pa
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-bridge"]
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-mc"]
     assert "alpha0" in r["ood"]["patches"]["glm-bridge"]
+    assert report["protocol"]["ggp"]["points"] == 200 and r["in_distribution"]["ggp-probit"]["accuracy"] > 0.8
     assert r["rotation"]["0"]["map"]["accuracy"] == r["in_distribution"]["map"]["accuracy"]
     assert r["fgsm"]["0"]["map"]["accuracy"] == r["in_distribution"]["map"]["accuracy"]
     assert r["fgsm"]["8/255"]["map"]["nll"] > r["fgsm"]["0"]["map"]["nll"]
