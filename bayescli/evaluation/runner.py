@@ -86,7 +86,7 @@ class Evaluator:
         outs = {}
         for m in self.cfg.methods:
             out = run_method(
-                m, self.post, feats, self.model.classifier, data, self.cfg.samples, self.cfg.seed
+                m, self.post, feats, self.model.classifier, data, self.cfg.samples, self.cfg.seed, self.ggp
             )
             for key, sec in out.seconds.items():
                 self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
@@ -147,6 +147,8 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
         "mc_samples": cfg.samples,
         "selective_coverages": [0.5, 0.8, 0.9],
     }
+    if ev.ggp is not None:
+        protocol["ggp"] = ev.ggp.info
 
     if cfg.ood:
         protocol["ood"] = {
