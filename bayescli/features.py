@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +76,6 @@ def extract_features(
     The first batch verifies that ``head(features(x))`` reproduces the full forward pass.
     With ``cache``, a matching cache file is read instead, and a fresh one written otherwise.
     """
-    import time
-
     key = cache_key(model, data)
     if cache is not None and Path(cache).is_file():
         tensors, meta = load_tensors(cache)
