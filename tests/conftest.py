@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from bayescli import progress
 from bayescli.cli.app import main
@@ -16,6 +17,9 @@ from bayescli.train import TrainConfig, save_checkpoint, train_classifier
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 progress.set_enabled(False)
+# Property tests explore the same examples on every run, so CI results are reproducible.
+settings.register_profile("bayescli", derandomize=True, deadline=None)
+settings.load_profile("bayescli")
 
 
 @dataclass
