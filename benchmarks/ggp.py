@@ -12,6 +12,7 @@ Run: ``python benchmarks/ggp.py``
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,11 +22,11 @@ from common import setup_threads  # noqa: E402
 from bayescli.data import load_data  # noqa: E402
 from bayescli.features import Features, extract_features  # noqa: E402
 from bayescli.metrics import classification_summary  # noqa: E402
-from bayescli.models import LoadedModel  # noqa: E402
+from bayescli.models import load_classifier  # noqa: E402
 from bayescli.posterior.laplace import fit_laplace  # noqa: E402
 from bayescli.predictive.ggp import GGPPredictor  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402
-from bayescli.train import TrainConfig, train_classifier  # noqa: E402
+from bayescli.train import TrainConfig, save_checkpoint, train_classifier  # noqa: E402
 
 
 def row(name: str, probs, labels, seconds: float) -> None:  # noqa: ANN001
@@ -35,8 +36,11 @@ def row(name: str, probs, labels, seconds: float) -> None:  # noqa: ANN001
 
 def main() -> None:
     train, val, test = (load_data(f"digits:{s}") for s in ("train", "val", "test"))
-    clf, meta = train_classifier("builtin:small-cnn", train, val, TrainConfig(seed=0))
-    model = LoadedModel(clf.eval(), None, Path("-"), "-", meta)  # type: ignore[arg-type]
+    net, meta = train_classifier("builtin:small-cnn", train, val, TrainConfig(seed=0))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp) / "cnn.safetensors", net, meta)
+        model = load_classifier("builtin:small-cnn", Path(tmp) / "cnn.safetensors")
+    clf = model.classifier
     tr = extract_features(model, train)
     te = extract_features(model, test)
     print(f"# GLM vs GGP on digits ({len(train)} train, {len(test)} test), probit link, {setup_threads()}")
