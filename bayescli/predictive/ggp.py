@@ -21,12 +21,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 import torch
 from scipy.optimize import minimize_scalar
 
+from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
-from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
+from bayescli.features import Features, extract_features
+from bayescli.models import Classifier, LoadedModel
+from bayescli.posterior.curvature import network_jacobian
+from bayescli.posterior.gaussian import LogitGaussian, augment, cholesky_jitter
+from bayescli.posterior.laplace import LaplacePosterior, Subset
 
 _JITTER = 1e-10
 
@@ -195,9 +201,14 @@ class GGPPredictor:
     pixel-space inputs (their kernel comes from per-input Jacobians, ``M·C·P`` floats).
     """
 
-    def __init__(self, posterior, fit_feats, refine: bool, classifier=None, fit_data=None) -> None:  # noqa: ANN001
-        from bayescli.posterior.laplace import Subset
-
+    def __init__(
+        self,
+        posterior: LaplacePosterior,
+        fit_feats: Features,
+        refine: bool,
+        classifier: Classifier | None = None,
+        fit_data: ArrayData | None = None,
+    ) -> None:
         if fit_feats.labels is None:
             raise BayescliError("the GGP predictive needs labelled fitting points")
         self.post, self.classifier = posterior, classifier
@@ -229,15 +240,11 @@ class GGPPredictor:
         }
 
     def _phi(self, phi: torch.Tensor) -> torch.Tensor:
-        from bayescli.posterior.gaussian import augment
-
         phi = phi.double()
         return augment(phi) if self.post.head_bias else phi
 
     def _jacobian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``J [N, C, P]``, ``f(x; θ*) [N, C]`` and the GP prior mean ``f − J θ*``."""
-        from bayescli.posterior.curvature import network_jacobian
-
         n_params = self.post.gaussian.num_params
         if len(x) * self.post.meta.get("num_classes", 10) * n_params * 8 > MAX_JACOBIAN_BYTES:
             raise BayescliError(
@@ -249,7 +256,9 @@ class GGPPredictor:
         jac, f = jac.double(), f.double()
         return jac, f, f - jac @ theta
 
-    def logit_gaussian(self, feats, data=None, batch_size: int = 256) -> LogitGaussian:  # noqa: ANN001
+    def logit_gaussian(
+        self, feats: Features, data: ArrayData | None = None, batch_size: int = 256
+    ) -> LogitGaussian:
         """Predictive logit Gaussian (full ``C × C`` covariance) at new inputs."""
         if self.last_layer:
             test = self._phi(feats.phi)
@@ -270,12 +279,12 @@ class GGPPredictor:
 
 
 def fit_ggp(
-    posterior,
-    model,
+    posterior: LaplacePosterior,
+    model: LoadedModel,
     points: int,
     refine: bool,
-    root,
-    download: bool = False,  # noqa: ANN001
+    root: str | Path,
+    download: bool = False,
     seed: int = 0,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
@@ -284,9 +293,6 @@ def fit_ggp(
 
     The subset's provenance is recorded in ``info["data"]``.
     """
-    from bayescli.data import load_data
-    from bayescli.features import extract_features
-
     spec = (posterior.meta.get("data") or {}).get("spec")
     if not spec:
         raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
