@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from bayescli.errors import BayescliError
@@ -107,8 +107,6 @@ def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise BayescliError(f"file not found: {p}")
     try:
         tensors = load_file(str(p))
-        from safetensors import safe_open
-
         with safe_open(str(p), framework="pt") as f:
             raw = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as exc:

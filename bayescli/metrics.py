@@ -50,14 +50,21 @@ def mmc(probs: torch.Tensor) -> float:
     return probs.max(-1).values.double().mean().item()
 
 
+def _bins(probs: torch.Tensor, y: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-bin count, summed correctness and summed confidence ``([B], [B], [B])``."""
+    conf, pred = probs.double().max(-1)
+    idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
+    zeros = torch.zeros(bins, dtype=torch.float64)
+    count = zeros.index_add(0, idx, torch.ones_like(conf))
+    correct = zeros.index_add(0, idx, (pred == y).double())
+    confidence = zeros.index_add(0, idx, conf)
+    return count, correct, confidence
+
+
 def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
     """Expected calibration error: Σ_b (n_b/N)·|acc_b − conf_b| over equal-width confidence bins."""
-    conf, pred = probs.double().max(-1)
-    correct = (pred == y).double()
-    idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
-    acc_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, correct)
-    conf_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, conf)
-    return ((acc_sum - conf_sum).abs().sum() / len(conf)).item()
+    _, correct, confidence = _bins(probs, y, bins)
+    return ((correct - confidence).abs().sum() / len(y)).item()
 
 
 def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[str, float]:
@@ -76,14 +83,13 @@ def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[
 
 def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> dict[str, list[float]]:
     """Per-bin ``count``, mean ``confidence`` and ``accuracy`` (bins as in :func:`ece`)."""
-    conf, pred = probs.double().max(-1)
-    correct = (pred == y).double()
-    idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
-    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(conf))
-    acc = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, correct)
-    cs = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, conf)
-    safe = n.clamp_min(1)
-    return {"count": n.tolist(), "confidence": (cs / safe).tolist(), "accuracy": (acc / safe).tolist()}
+    count, correct, confidence = _bins(probs, y, bins)
+    safe = count.clamp_min(1)
+    return {
+        "count": count.tolist(),
+        "confidence": (confidence / safe).tolist(),
+        "accuracy": (correct / safe).tolist(),
+    }
 
 
 def selective(

@@ -234,13 +234,13 @@ class ModelSpec:
         return f"{self.kind}:{self.name}"
 
 
-def _last_linear(net: nn.Module) -> str:
+def last_linear_name(net: nn.Module) -> str:
     names = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     require(bool(names), "the model has no nn.Linear layer to use as classification head")
     return names[-1]
 
 
-def _build(
+def build_network(
     spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None, kwargs: dict
 ) -> nn.Module:
     """Instantiate ``spec``; ``num_classes=None`` means the architecture's default."""
@@ -342,8 +342,8 @@ def load_classifier(
     input_shape = tuple(meta["input_shape"]) if meta.get("input_shape") else None
     num_classes = meta.get("num_classes")
     if spec.kind != "builtin" and num_classes is None:
-        probe = _build(spec, None, input_shape, kwargs)
-        head_name = head or _last_linear(probe)
+        probe = build_network(spec, None, input_shape, kwargs)
+        head_name = head or last_linear_name(probe)
         key = f"{head_name}.weight"
         require(
             key in state and state[key].dim() == 2,
@@ -351,7 +351,7 @@ def load_classifier(
             f"match {spec} (or pass --head NAME)",
         )
         num_classes = int(state[key].shape[0])
-    net = _build(spec, num_classes, input_shape, kwargs)
+    net = build_network(spec, num_classes, input_shape, kwargs)
     try:
         net.load_state_dict(state, strict=True)
     except RuntimeError as exc:
@@ -362,6 +362,6 @@ def load_classifier(
         ) from None
     net.eval()
     norm = meta.get("normalisation", {})
-    clf = Classifier(net, head or _last_linear(net), norm.get("mean"), norm.get("std"))
+    clf = Classifier(net, head or last_linear_name(net), norm.get("mean"), norm.get("std"))
     clf.eval()
     return LoadedModel(clf, spec, path, digest, meta)

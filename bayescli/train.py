@@ -18,7 +18,7 @@ from bayescli import __version__
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
 from bayescli.io import save_tensors
-from bayescli.models import Classifier, ModelSpec, _build, _last_linear, builtin_names
+from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.progress import track
 
 
@@ -73,9 +73,9 @@ def train_classifier(
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
     k = train.num_classes
-    net = _build(spec, k, train.input_shape, {})
+    net = build_network(spec, k, train.input_shape, {})
     mean, std = channel_stats(train)
-    clf = Classifier(net, _last_linear(net), mean, std).to(device)
+    clf = Classifier(net, last_linear_name(net), mean, std).to(device)
     opt = torch.optim.AdamW(clf.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(

@@ -45,10 +45,6 @@ def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
         torch.manual_seed(seed)
 
 
-def device_of(name: str) -> torch.device:
-    return resolve_device(name)
-
-
 def load(spec: str, root: Path, download: bool, limit: int | None, seed: int) -> ArrayData:
     return load_data(spec, root=root, download=download, limit=limit, seed=seed)
 
@@ -78,7 +74,7 @@ def prepare_prediction(
     model = post.load_model(checkpoint)
     test = load(data, root, download, limit, seed)
     check_labels(test, model.classifier.num_classes)
-    feats = extract_features(model, test, batch_size, device_of(device))
+    feats = extract_features(model, test, batch_size, resolve_device(device))
     model.classifier.cpu()
     return post, model, test, feats
 

@@ -43,7 +43,7 @@ def demo(
     """
     c.setup(quiet, as_json, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dev = c.device_of(device)
+    dev = c.resolve_device(device)
     root = Path("data")
     train_data, val_data, test_data = (
         c.load(f"digits:{s}", root, False, None, seed) for s in ("train", "val", "test")

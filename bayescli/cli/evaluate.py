@@ -86,7 +86,7 @@ def evaluate_cmd(
         batch_size=batch_size,
         data_root=data_root,
         download=download,
-        device=c.device_of(device),
+        device=c.resolve_device(device),
     )
     post = LaplacePosterior.load(posterior)
     model = post.load_model(checkpoint)

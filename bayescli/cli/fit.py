@@ -77,7 +77,7 @@ def fit_laplace_cmd(
     prior = parse_prior(prior_precision)
     if prior == "val-nll" and predictive is Predictive.GGP:
         raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
-    dev = c.device_of(device)
+    dev = c.resolve_device(device)
     loaded = load_classifier(model, checkpoint, head)
     fit_data = c.load(data, data_root, download, limit, seed)
     c.check_labels(fit_data, loaded.classifier.num_classes)

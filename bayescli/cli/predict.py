@@ -119,7 +119,7 @@ def predict_cmd(
     if predictive is Predictive.GGP:
         refine = ggp_mode is GGPMode.REFINED
         ggp = fit_ggp(
-            post, model, ggp_points, refine, data_root, download, seed, batch_size, c.device_of(device)
+            post, model, ggp_points, refine, data_root, download, seed, batch_size, c.resolve_device(device)
         )
     pred = predict(
         post,

@@ -39,7 +39,7 @@ def train(
     val_spec = val or (data.rsplit(":", 1)[0] + ":val" if data.endswith(":train") else None)
     val_data = c.load(val_spec, data_root, download, None, seed) if val_spec else None
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed)
-    clf, meta = train_classifier(model, train_data, val_data, cfg, c.device_of(device))
+    clf, meta = train_classifier(model, train_data, val_data, cfg, c.resolve_device(device))
     save_checkpoint(out, clf.cpu(), meta)
     summary = {
         "checkpoint": str(out),

@@ -113,17 +113,11 @@ def _ood_key(spec: str) -> str:
     return spec[:-5] if spec.endswith(":test") else spec
 
 
-def load_ood(spec: str, reference: ArrayData, model: LoadedModel, cfg: EvalConfig) -> ArrayData:
+def load_ood(spec: str, reference: ArrayData, cfg: EvalConfig) -> ArrayData:
     """An OOD set shaped like ``reference``: synthetic, or any data spec (test split by default)."""
-    n = cfg.ood_limit or len(reference)
     if spec in SYNTHETIC_OOD:
-        return synthetic_ood(spec, reference, n, cfg.seed)
-    full = (
-        spec
-        if ":" in spec and spec.split(":", 1)[1] in ("train", "val", "test")
-        else (spec if spec.startswith(("npz:", "imagefolder:")) else f"{spec}:test")
-    )
-    data = load_data(full, cfg.data_root, cfg.download, cfg.ood_limit, cfg.seed)
+        return synthetic_ood(spec, reference, cfg.ood_limit or len(reference), cfg.seed)
+    data = load_data(spec, cfg.data_root, cfg.download, cfg.ood_limit, cfg.seed)
     if data.input_shape != reference.input_shape:
         raise BayescliError(
             f"OOD set {spec} has inputs {list(data.input_shape)} but the model takes "
@@ -140,6 +134,7 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
     ev = Evaluator(posterior, model, cfg)
     start = time.perf_counter()
     clean = ev.outputs(test)
+    x = test.inputs(slice(None))  # pixel-space inputs shared by the shift suites
     results: dict = {"in_distribution": _in_distribution(test, clean)}
     protocol: dict = {
         **PROTOCOL,
@@ -160,7 +155,7 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
         }
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
-            outs = ev.outputs(load_ood(spec, test, model, cfg))
+            outs = ev.outputs(load_ood(spec, test, cfg))
             results["ood"][_ood_key(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
@@ -172,7 +167,6 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
     if cfg.rotations:
         protocol["rotation"] = {"angles": cfg.rotations, "interpolation": "bilinear", "fill": 0}
         results["rotation"] = {}
-        x = test.inputs(slice(None))
         for angle in track(cfg.rotations, len(cfg.rotations), "rotations"):
             t0 = time.perf_counter()
             rotated = ArrayData(rotate(x, angle), test.y, test.class_names, {**test.info, "rotation": angle})
@@ -192,7 +186,6 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
             else {k: v for k, v in APPROXIMATIONS.items() if k in cfg.corruptions},
         }
         results["corruption"] = {}
-        x = test.inputs(slice(None))
         jobs = [(c, s) for c in cfg.corruptions for s in cfg.severities]
         for name, sev in track(jobs, len(jobs), "corruptions"):
             t0 = time.perf_counter()
@@ -213,7 +206,6 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
             "epsilons": {k: v for k, v in cfg.epsilons},
         }
         results["fgsm"] = {}
-        x = test.inputs(slice(None))
         clf = model.classifier.cpu()
         for label, eps in track(cfg.epsilons, len(cfg.epsilons), "FGSM"):
             t0 = time.perf_counter()

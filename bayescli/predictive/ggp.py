@@ -61,6 +61,7 @@ class GGPLaplace:
     f: torch.Tensor | None = None
     history: list[float] = field(default_factory=list)
     grad_norm: float = float("nan")
+    _predictive_factors: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_classes(self) -> int:
@@ -147,6 +148,8 @@ class GGPLaplace:
                 if stalled or self.gradient_norm(self.a) < gtol:
                     break
         self.f = self.prior_mean + self._k_times(self.a).T
+        # W, E and chol(Σ E) at the expansion point serve every later prediction.
+        self._predictive_factors = self._factors(self.f)[1:]
         self.grad_norm = self.gradient_norm(self.a)
         return self
 
@@ -163,7 +166,7 @@ class GGPLaplace:
         c = self.num_classes
         kx = k_cross.expand(c, -1, -1)
         mean = prior_mean_test + torch.einsum("cmn,cm->nc", kx, self.a)
-        _, e, m_chol = self._factors(self.f)
+        e, m_chol = self._predictive_factors
         covs = []
         for start in range(0, kx.shape[-1], chunk):
             kc = kx[..., start : start + chunk]
