@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import random_head
+from tolerance import assert_below, assert_close
 
 from bayescli.features import Features
 from bayescli.posterior import LaplacePosterior
@@ -33,14 +34,22 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+# GGP at M points and the weight-space GLM solve the same float64 problem by different routes
+# (M×M vs P×P systems); with kernel condition numbers ≲ 1e4 here their results agree to ~1e-11,
+# so 1e-5 leaves a wide margin for other BLAS paths.
+EQUIV = 1e-5
+# Newton's mode condition ‖y − π − a‖∞: gtol is 1e-9; the tests ask for 1e-6 (1,000× margin).
+MODE = 1e-6
+
+
 def test_ggp_at_f_star_equals_glm_at_theta_star(problem):
     phi, labels, logits, head, test = problem
     post = LaplacePosterior.fit_last_layer(phi, labels, head, "full")
     post.set_prior_precision(DELTA)
     glm = post.logit_gaussian(test)
     ggp = GGPPredictor(post, feats(phi, logits, labels), refine=False).logit_gaussian(feats(test, head(test)))
-    assert rel(ggp.mean, glm.mean) < 1e-5
-    assert rel(ggp.cov, glm.covariance()) < 1e-5
+    assert_below(rel(ggp.mean, glm.mean), EQUIV, what="mean at f*")
+    assert_below(rel(ggp.cov, glm.covariance()), EQUIV, what="cov at f*")
 
 
 def test_refined_ggp_equals_refined_weight_space_laplace(problem):
@@ -54,9 +63,10 @@ def test_refined_ggp_equals_refined_weight_space_laplace(problem):
     post0.set_prior_precision(DELTA)
     predictor = GGPPredictor(post0, feats(phi, logits, labels), refine=True)
     ggp = predictor.logit_gaussian(feats(test, head(test)))
-    assert predictor.info["objective"] == pytest.approx(history[-1], rel=1e-8)
-    assert rel(ggp.mean, glm.mean) < 1e-5
-    assert rel(ggp.cov, glm.covariance()) < 1e-5
+    # both optimisers converge to gradient ≲ 1e-9, so the objectives agree to ~1e-15 relative
+    assert_close(predictor.info["objective"], history[-1], rtol=1e-8, what="objective at the mode")
+    assert_below(rel(ggp.mean, glm.mean), EQUIV, what="refined mean")
+    assert_below(rel(ggp.cov, glm.covariance()), EQUIV, what="refined cov")
 
 
 def test_newton_converges_and_never_decreases_the_objective(problem):
@@ -64,10 +74,26 @@ def test_newton_converges_and_never_decreases_the_objective(problem):
     post = LaplacePosterior.fit_last_layer(phi, labels, head, "kron")
     post.set_prior_precision(DELTA)
     predictor = GGPPredictor(post, feats(phi, logits, labels), refine=True)
-    hist = predictor.model.history
-    assert all(b >= a - 1e-12 for a, b in zip(hist, hist[1:], strict=False))
-    assert predictor.info["gradient_norm"] < 1e-6
+    hist = torch.tensor(predictor.model.history, dtype=torch.float64)
+    # a full step near the mode may lower Ψ by round-off only: ≤ 1e-12·|Ψ| (the fit's flatness rule)
+    drops = (hist[:-1] - hist[1:]).clamp(min=0) / hist[:-1].abs().clamp(min=1.0)
+    assert_below(drops.max(), 1e-12, what="objective decrease")
+    assert_below(predictor.info["gradient_norm"], MODE, what="gradient at the mode")
     assert predictor.info["newton_iterations"] >= 1
+
+
+def test_newton_stops_on_the_gradient_not_on_a_flat_objective(problem):
+    """The stopping rule's guarantee: unless ``max_iter`` runs out, the mode condition holds at gtol."""
+    from bayescli.predictive.ggp import GGPLaplace
+
+    phi, labels, logits, _, _ = problem
+    f = augment(phi) / DELTA**0.5
+    y = torch.nn.functional.one_hot(labels, K).double()
+    # (the attainable floor is ~1e-10 here: the 1e-10 jitter on Σ_c E_c shifts the Newton fixed point)
+    for gtol in (1e-6, 1e-7, 1e-8):
+        model = GGPLaplace(None, torch.zeros_like(y), y, factor=f).fit(logits, refine=True, gtol=gtol)
+        assert len(model.history) - 1 < 100, "max_iter reached"
+        assert_below(model.grad_norm, gtol, what=f"gradient at gtol={gtol:g}")
 
 
 def test_weight_space_refinement_never_lowers_objective_large_head_lbfgs():
@@ -100,8 +126,10 @@ def test_all_layer_ggp_gives_valid_covariances():
         ArrayData(xt, None, ["a", "b", "c"], {"spec": "u"}),
     )
     assert lg.cov.shape == (8, 3, 3)
-    assert torch.linalg.eigvalsh(lg.cov.double()).min() > -1e-6
-    assert predictor.info["gradient_norm"] < 1e-6
+    # covariances are PSD up to float32 round-off of entries of size ~10 (≈1e-6 absolute)
+    neg = (-torch.linalg.eigvalsh(lg.cov.double()).min()).clamp(min=0)
+    assert_below(neg, 1e-5, what="negative eigenvalue")
+    assert_below(predictor.info["gradient_norm"], MODE, what="all-layer gradient at the mode")
 
 
 def test_refine_mode_through_fit_laplace_and_cli(cli, digits_ckpt, tmp_path):
@@ -196,10 +224,12 @@ def test_low_rank_factor_path_equals_dense_kernel_path(problem):
     y = torch.nn.functional.one_hot(labels, K).double()
     dense = GGPLaplace((f @ f.T)[None], torch.zeros_like(y), y).fit(logits, refine=True)
     low = GGPLaplace(None, torch.zeros_like(y), y, factor=f).fit(logits, refine=True)
-    assert torch.allclose(dense.f, low.f, atol=1e-8)
+    # both paths reach gradient < 1e-9; the Newton map's Lipschitz constant here is O(‖K‖) ≈ 10²
+    assert_close(low.f, dense.f, atol=1e-8, what="mode logits")
     ft = augment(test) / DELTA**0.5
     a = dense.predict(
         (f @ ft.T)[None], ft.pow(2).sum(1)[None], torch.zeros(len(test), K, dtype=torch.float64)
     )
     b = low.predict((f @ ft.T)[None], ft.pow(2).sum(1)[None], torch.zeros(len(test), K, dtype=torch.float64))
-    assert rel(b.cov, a.cov) < 1e-8 and rel(b.mean, a.mean) < 1e-8
+    assert_below(rel(b.cov, a.cov), 1e-8, what="low-rank cov")
+    assert_below(rel(b.mean, a.mean), 1e-8, what="low-rank mean")
