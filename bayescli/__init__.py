@@ -6,52 +6,49 @@ The most used pieces are importable from the top level::
     from bayescli import laplace_bridge, uncertainty_topk, dirichlet_from_samples
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from bayescli.data import load_data  # noqa: E402
-from bayescli.features import extract_features  # noqa: E402
-from bayescli.models import load_classifier  # noqa: E402
-from bayescli.posterior import LaplacePosterior, LogitGaussian, fit_laplace  # noqa: E402
-from bayescli.predictive.dirichlet import (  # noqa: E402
-    aggregate,
-    beta_marginals,
-    dirichlet_entropy,
-    dirichlet_from_samples,
-    dirichlet_to_gaussian,
-    entropy_of_mean,
-    expected_entropy,
-    laplace_bridge,
-    log_density,
-    mean,
-    mutual_information,
-    precision,
-    variance,
-)
-from bayescli.predictive.glm import predict  # noqa: E402
-from bayescli.predictive.links import apply_link  # noqa: E402
-from bayescli.predictive.topk import uncertainty_topk  # noqa: E402
+import importlib
 
-__all__ = [
-    "LaplacePosterior",
-    "LogitGaussian",
-    "aggregate",
-    "apply_link",
-    "beta_marginals",
-    "dirichlet_entropy",
-    "dirichlet_from_samples",
-    "dirichlet_to_gaussian",
-    "entropy_of_mean",
-    "expected_entropy",
-    "extract_features",
-    "fit_laplace",
-    "laplace_bridge",
-    "load_classifier",
-    "load_data",
-    "log_density",
-    "mean",
-    "mutual_information",
-    "precision",
-    "predict",
-    "uncertainty_topk",
-    "variance",
-]
+from bayescli._version import __version__
+
+# Re-exports are resolved on first use, so ``import bayescli`` (and ``bayescli --help``) does not
+# pay for torch, timm and matplotlib.
+_EXPORTS = {
+    "aggregate": "bayescli.predictive.dirichlet",
+    "apply_link": "bayescli.predictive.links",
+    "beta_marginals": "bayescli.predictive.dirichlet",
+    "dirichlet_entropy": "bayescli.predictive.dirichlet",
+    "dirichlet_from_samples": "bayescli.predictive.dirichlet",
+    "dirichlet_to_gaussian": "bayescli.predictive.dirichlet",
+    "entropy_of_mean": "bayescli.predictive.dirichlet",
+    "expected_entropy": "bayescli.predictive.dirichlet",
+    "extract_features": "bayescli.features",
+    "fit_laplace": "bayescli.posterior",
+    "laplace_bridge": "bayescli.predictive.dirichlet",
+    "LaplacePosterior": "bayescli.posterior",
+    "load_classifier": "bayescli.models",
+    "load_data": "bayescli.data",
+    "log_density": "bayescli.predictive.dirichlet",
+    "LogitGaussian": "bayescli.posterior",
+    "mean": "bayescli.predictive.dirichlet",
+    "mutual_information": "bayescli.predictive.dirichlet",
+    "precision": "bayescli.predictive.dirichlet",
+    "predict": "bayescli.predictive.glm",
+    "uncertainty_topk": "bayescli.predictive.topk",
+    "variance": "bayescli.predictive.dirichlet",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'bayescli' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -8,29 +8,19 @@ per-channel normalisation statistics of the training inputs become part of the m
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
 from bayescli.io import save_tensors
 from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.options import TrainConfig
 from bayescli.progress import track
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation settings (recorded in the checkpoint)."""
-
-    epochs: int = 20
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 1e-4
-    seed: int = 0
 
 
 def channel_stats(data: ArrayData, max_rows: int = 20_000) -> tuple[list[float], list[float]]:

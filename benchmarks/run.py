@@ -9,6 +9,6 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 if __name__ == "__main__":
-    for script in ("heads.py", "bridge.py", "pipeline.py", "ggp.py"):
+    for script in ("startup.py", "heads.py", "bridge.py", "pipeline.py", "ggp.py"):
         print(f"\n=== {script}", flush=True)
         subprocess.run([sys.executable, str(HERE / script)], check=False)

@@ -8,7 +8,7 @@ from typing import Annotated
 import click
 import typer
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.cli import common
 from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd

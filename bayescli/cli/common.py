@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from bayescli import progress
-from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
-from bayescli.features import extract_features, resolve_device
-from bayescli.io import to_json
-from bayescli.posterior.laplace import LaplacePosterior
+
+if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must not load torch
+    import torch
+
+    from bayescli.data import ArrayData
+    from bayescli.posterior.laplace import LaplacePosterior
 
 # Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
 stdout = Console(width=None if sys.stdout.isatty() else 160)
@@ -42,10 +43,14 @@ def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
     """Apply the common options: progress bars off for --quiet/--json, seed torch."""
     progress.set_enabled(not (quiet or as_json))
     if seed is not None:
+        import torch
+
         torch.manual_seed(seed)
 
 
 def load(spec: str, root: Path, download: bool, limit: int | None, seed: int) -> ArrayData:
+    from bayescli.data import load_data
+
     return load_data(spec, root=root, download=download, limit=limit, seed=seed)
 
 
@@ -70,6 +75,9 @@ def prepare_prediction(
     device: str,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once."""
+    from bayescli.features import extract_features
+    from bayescli.posterior.laplace import LaplacePosterior
+
     post = LaplacePosterior.load(posterior)
     model = post.load_model(checkpoint)
     test = load(data, root, download, limit, seed)
@@ -121,7 +129,16 @@ def metrics_table(title: str, results: dict[str, dict[str, float]]) -> Table:
 def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> None:
     """Print tables unless quiet; with --json print ``payload`` as JSON instead."""
     if as_json:
+        from bayescli.io import to_json
+
         typer.echo(to_json(payload))
     elif not quiet:
         for r in renderables:
             stdout.print(r)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`)."""
+    from bayescli.features import resolve_device as resolve
+
+    return resolve(spec)

@@ -7,23 +7,9 @@ from typing import Annotated
 
 import typer
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.cli import common as c
-from bayescli.data.shifts import parse_angles
-from bayescli.evaluation.attacks import parse_epsilons
-from bayescli.evaluation.methods import DEFAULT_METHODS, parse_methods
-from bayescli.evaluation.runner import EvalConfig, run_evaluation
-from bayescli.features import extract_features
-from bayescli.io import write_json
-from bayescli.metrics import classification_summary
-from bayescli.models import load_classifier
-from bayescli.posterior.laplace import fit_laplace
-from bayescli.predictive import dirichlet
-from bayescli.predictive.glm import predict
-from bayescli.predictive.topk import topk_summary, uncertainty_topk
-from bayescli.predictive.tuning import tune_prior_val_nll
-from bayescli.report import write_report
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.options import DEFAULT_METHODS, TrainConfig
 
 
 def demo(
@@ -41,6 +27,22 @@ def demo(
 
     Example: bayescli demo --out-dir demo-output
     """
+    from bayescli.data.shifts import parse_angles
+    from bayescli.evaluation.attacks import parse_epsilons
+    from bayescli.evaluation.methods import parse_methods
+    from bayescli.evaluation.runner import EvalConfig, run_evaluation
+    from bayescli.features import extract_features
+    from bayescli.io import write_json
+    from bayescli.metrics import classification_summary
+    from bayescli.models import load_classifier
+    from bayescli.posterior.laplace import fit_laplace
+    from bayescli.predictive import dirichlet
+    from bayescli.predictive.glm import predict
+    from bayescli.predictive.topk import topk_summary, uncertainty_topk
+    from bayescli.predictive.tuning import tune_prior_val_nll
+    from bayescli.report import write_report
+    from bayescli.train import save_checkpoint, train_classifier
+
     c.setup(quiet, as_json, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = c.resolve_device(device)

@@ -8,16 +8,7 @@ from typing import Annotated
 import typer
 
 from bayescli.cli import common as c
-from bayescli.data.corruptions import parse_corruptions, parse_severities
-from bayescli.data.shifts import parse_angles
-from bayescli.evaluation.attacks import parse_epsilons
-from bayescli.evaluation.gates import check_gates, parse_gate
-from bayescli.evaluation.methods import DEFAULT_METHODS, parse_methods
-from bayescli.evaluation.runner import EvalConfig, run_evaluation
-from bayescli.io import read_json, write_json
-from bayescli.posterior.laplace import LaplacePosterior
-from bayescli.predictive.ggp import GGPMode
-from bayescli.report import write_report
+from bayescli.options import DEFAULT_METHODS, GGPMode
 
 
 def evaluate_cmd(
@@ -68,6 +59,16 @@ def evaluate_cmd(
     --ood patches --rotation 0:180:15 --corruption all --fgsm 0,2/255,8/255 --out report.json
     --html report.html --fail-if "ood.patches.glm-probit.max_prob.auroc < 0.8"
     """
+    from bayescli.data.corruptions import parse_corruptions, parse_severities
+    from bayescli.data.shifts import parse_angles
+    from bayescli.evaluation.attacks import parse_epsilons
+    from bayescli.evaluation.gates import check_gates, parse_gate
+    from bayescli.evaluation.methods import parse_methods
+    from bayescli.evaluation.runner import EvalConfig, run_evaluation
+    from bayescli.io import write_json
+    from bayescli.posterior.laplace import LaplacePosterior
+    from bayescli.report import write_report
+
     c.setup(quiet, as_json, seed)
     gates = [parse_gate(g) for g in fail_if or []]
     cfg = EvalConfig(
@@ -157,6 +158,9 @@ def report_cmd(
 
     Example: bayescli report report.json --out report.html --png-dir figures
     """
+    from bayescli.io import read_json
+    from bayescli.report import write_report
+
     data = read_json(report)
     if not isinstance(data, dict) or data.get("kind") != "evaluation":
         raise typer.BadParameter(f"{report} is not a bayescli evaluation report", param_hint="REPORT")

@@ -9,13 +9,7 @@ import typer
 
 from bayescli.cli import common as c
 from bayescli.errors import BayescliError
-from bayescli.features import extract_features
-from bayescli.models import load_classifier
-from bayescli.posterior.curvature import Backend, CurvatureType, HessianStructure
-from bayescli.posterior.laplace import Subset, fit_laplace
-from bayescli.predictive.glm import Predictive
-from bayescli.predictive.links import Link
-from bayescli.predictive.tuning import tune_prior_val_nll
+from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
 
 
 def parse_prior(text: str) -> float | str:
@@ -71,6 +65,11 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
+    from bayescli.features import extract_features
+    from bayescli.models import load_classifier
+    from bayescli.posterior.laplace import fit_laplace
+    from bayescli.predictive.tuning import tune_prior_val_nll
+
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--out")

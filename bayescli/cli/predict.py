@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 import typer
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.cli import common as c
 from bayescli.errors import BayescliError
-from bayescli.io import save_tensors, write_json
-from bayescli.metrics import classification_summary, entropy
-from bayescli.predictive import dirichlet
-from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
-from bayescli.predictive.ggp import GGPMode, fit_ggp
-from bayescli.predictive.glm import Predictive, predict
-from bayescli.predictive.links import Link
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, GGPMode, Link, Predictive
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_SAVED_COV = 200_000_000  # N·K² floats written by --save-logits
 
 
 def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-input Dirichlet quantities written by ``--bridge`` / ``--dirichlet``."""
+    from bayescli.predictive import dirichlet
+
     return {
         "alpha": alpha,
         "dirichlet_mean": dirichlet.mean(alpha),
@@ -39,6 +37,8 @@ def rows(
     probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], extra: dict[str, torch.Tensor]
 ) -> list[dict]:
     """Per-input JSON rows: prediction, top-5, uncertainty, label."""
+    from bayescli.metrics import entropy
+
     top_p, top_i = probs.topk(min(5, probs.shape[1]), dim=1)
     ent = entropy(probs)
     out = []
@@ -101,6 +101,11 @@ def predict_cmd(
     Example: bayescli predict --posterior posterior.safetensors --data digits:test
     --link probit --out pred.json
     """
+    from bayescli.io import save_tensors, write_json
+    from bayescli.metrics import classification_summary
+    from bayescli.predictive.ggp import fit_ggp
+    from bayescli.predictive.glm import predict
+
     c.setup(quiet, as_json, seed)
     if bridge:
         if link not in (Link.PROBIT, Link.BRIDGE):

@@ -7,13 +7,9 @@ from typing import Annotated
 
 import typer
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.cli import common as c
-from bayescli.io import write_json
-from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
-from bayescli.predictive.glm import Predictive, predict
-from bayescli.predictive.links import Link
-from bayescli.predictive.topk import topk_summary, uncertainty_topk
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 
 
 def topk_cmd(
@@ -40,6 +36,10 @@ def topk_cmd(
     Example: bayescli topk --posterior posterior.safetensors --data digits:test
     --threshold 0.05 --max-k 10 --out topk.json
     """
+    from bayescli.io import write_json
+    from bayescli.predictive.glm import predict
+    from bayescli.predictive.topk import topk_summary, uncertainty_topk
+
     c.setup(quiet, as_json, seed)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device

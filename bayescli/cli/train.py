@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from bayescli.cli import common as c
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.options import TrainConfig
 
 
 def train(
@@ -32,6 +32,8 @@ def train(
 
     Example: bayescli train --model builtin:small-cnn --data digits:train --out model.safetensors
     """
+    from bayescli.train import save_checkpoint, train_classifier
+
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("checkpoints are written as .safetensors", param_hint="--out")

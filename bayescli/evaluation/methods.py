@@ -20,13 +20,11 @@ from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.metrics import entropy
 from bayescli.models import Classifier
+from bayescli.options import Link, Predictive
 from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
-from bayescli.predictive.glm import Predictive, predict
-from bayescli.predictive.links import Link
-
-DEFAULT_METHODS = "map,glm-probit,glm-bridge"
+from bayescli.predictive.glm import predict
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.data import ArrayData, load_data
 from bayescli.data.corruptions import APPROXIMATIONS, corrupt, load_official
 from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
@@ -24,9 +24,9 @@ from bayescli.evaluation.methods import Method, MethodOutput, run_method
 from bayescli.features import check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import LoadedModel
+from bayescli.options import Predictive
 from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive.ggp import fit_ggp
-from bayescli.predictive.glm import Predictive
 from bayescli.progress import track
 
 SCHEMA_VERSION = 1

@@ -33,30 +33,12 @@ import copy
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import nn
 
 from bayescli.errors import BayescliError
-
-
-class HessianStructure(str, Enum):
-    DIAG = "diag"
-    KRON = "kron"
-    FULL = "full"
-
-
-class CurvatureType(str, Enum):
-    GGN = "ggn"
-    GGN_MC = "ggn-mc"
-    EF = "ef"
-
-
-class Backend(str, Enum):
-    AUTO = "auto"
-    CLOSED_FORM = "closed-form"
-    BACKPACK = "backpack"
+from bayescli.options import Backend, CurvatureType, HessianStructure
 
 
 @dataclass

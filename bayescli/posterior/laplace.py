@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from bayescli import __version__
+from bayescli._version import __version__
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
 from bayescli.models import Classifier, LoadedModel, load_classifier
+from bayescli.options import Subset
 from bayescli.posterior.curvature import (
     Backend,
     Curvature,
@@ -46,11 +46,6 @@ from bayescli.posterior.refine import refine_mode
 
 FORMAT = "bayescli-posterior"
 FORMAT_VERSION = 1
-
-
-class Subset(str, Enum):
-    LAST_LAYER = "last-layer"
-    ALL = "all"
 
 
 def head_parameters(head: nn.Linear) -> torch.Tensor:

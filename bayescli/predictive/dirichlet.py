@@ -7,37 +7,11 @@ float64. ``α₀ = Σ_k α_k`` is the Dirichlet precision.
 from __future__ import annotations
 
 import math
-from enum import Enum
 
 import torch
 
 from bayescli.errors import BayescliError
-
-
-class BridgeCorrection(str, Enum):
-    """How the logit Gaussian is adjusted before eq. 7.
-
-    * ``none``: eq. 7 on ``(μ, diag Σ)`` as in the paper.
-    * ``zero-sum``: condition on ``1ᵀz = 0`` first (the logits' shift-invariance):
-      ``μ ← μ − Σ1 (1ᵀμ)/(1ᵀΣ1)``, ``Σ ← Σ − Σ11ᵀΣ/(1ᵀΣ1)`` (the authors' official code).
-    * ``norm``: ``zero-sum`` followed by rescaling with ``c = mean_k(Σ_kk)/√(K/2)``:
-      ``μ ← μ/√c``, ``Σ_kk ← Σ_kk/c`` (the authors' later "bridge_norm").
-
-    Default ``zero-sum``, measured with ``benchmarks/bridge.py`` (KL(p_true ‖ p_LB) on a simplex
-    grid, μ = (−1, 2, −1)): on the seed's isotropic Gaussians 10·I / I / 0.1·I, ``none`` scores
-    0.30 / 0.19 / 2.27 and ``zero-sum`` 0.40 / 0.25 / 3.38, but adding a common logit shift
-    (I + 10·11ᵀ, the same softmax distribution as I) leaves ``zero-sum`` at 0.25 while ``none``
-    degrades to 0.86. Last-layer posteriors carry exactly such shared variance (the bias
-    direction), so the shift-invariant ``zero-sum`` is the default. ``norm`` is worst on all
-    four (1.15 / 0.54 / 687 / 0.54).
-    """
-
-    NONE = "none"
-    ZERO_SUM = "zero-sum"
-    NORM = "norm"
-
-
-DEFAULT_CORRECTION = BridgeCorrection.ZERO_SUM
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection
 
 
 def _as_var(cov_or_var: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

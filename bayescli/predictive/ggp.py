@@ -20,7 +20,6 @@ covariance ``diag_c(k_c** − b_cᵀ k_c*) + Bᵀ (Σ_c E_c)⁻¹ B`` with ``b_c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
@@ -30,18 +29,14 @@ from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
 from bayescli.features import Features, extract_features
 from bayescli.models import Classifier, LoadedModel
+from bayescli.options import Subset
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment, cholesky_jitter
-from bayescli.posterior.laplace import LaplacePosterior, Subset
+from bayescli.posterior.laplace import LaplacePosterior
 
 _JITTER = 1e-10
 # Objective gains below this fraction of |Ψ| are round-off: Ψ sums M·C terms in float64.
 _ROUNDOFF = 1e-12
-
-
-class GGPMode(str, Enum):
-    MAP = "map"
-    REFINED = "refined"
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
@@ -21,18 +20,12 @@ from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.models import Classifier
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive, Subset
 from bayescli.posterior.gaussian import LogitGaussian
-from bayescli.posterior.laplace import LaplacePosterior, Subset
+from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive import dirichlet
-from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
 from bayescli.predictive.ggp import GGPPredictor
-from bayescli.predictive.links import Link, LinkOutput, apply_link
-
-
-class Predictive(str, Enum):
-    GLM = "glm"
-    BNN = "bnn"
-    GGP = "ggp"
+from bayescli.predictive.links import LinkOutput, apply_link
 
 
 @dataclass

@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
-from bayescli.predictive.dirichlet import DEFAULT_CORRECTION, BridgeCorrection
 
 MC_CHUNK_ELEMENTS = 20_000_000  # samples × inputs × classes per chunk
 BRIDGE_CHUNK_ELEMENTS = 1 << 18  # inputs × classes per chunk
-
-
-class Link(str, Enum):
-    NONE = "none"
-    PROBIT = "probit"
-    SODPP = "sodpp"
-    MC = "mc"
-    BRIDGE = "bridge"
 
 
 @dataclass

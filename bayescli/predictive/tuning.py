@@ -9,10 +9,10 @@ from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.metrics import nll
 from bayescli.models import Classifier
+from bayescli.options import Link, Predictive
 from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.posterior.prior import grid_search
-from bayescli.predictive.glm import Predictive, predict
-from bayescli.predictive.links import Link
+from bayescli.predictive.glm import predict
 
 DEFAULT_GRID = [float(v) for v in np.logspace(-4, 4, 33)]
 
