@@ -123,38 +123,6 @@ def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def load_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load a checkpoint's state dict and metadata, never unpickling arbitrary objects.
-
-    ``.safetensors`` is preferred; ``.pt``/``.pth`` go through ``torch.load(weights_only=True)``,
-    which accepts only tensors and plain containers. A ``{"state_dict": ...}`` wrapper is unwrapped.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise BayescliError(f"checkpoint not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix == ".safetensors":
-        return load_tensors(p)
-    if suffix in (".pt", ".pth", ".bin", ".ckpt"):
-        try:
-            obj = torch.load(str(p), map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for bad pickles
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BayescliError(
-                f"cannot load {p} as a weights-only state dict ({first[:200]}); "
-                "save it with torch.save(model.state_dict(), ...) or convert it to .safetensors"
-            ) from None
-        if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-            obj = obj["state_dict"]
-        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise BayescliError(f"{p} does not hold a state dict of tensors; save model.state_dict()")
-        return dict(obj), {}
-    raise BayescliError(
-        f"unsupported checkpoint format '{suffix or p.name}': use .safetensors (preferred) or a "
-        "state-dict .pt/.pth"
-    )
-
-
 def sha256_file(path: str | Path) -> str:
     """Hex SHA-256 of a file's bytes."""
     h = hashlib.sha256()

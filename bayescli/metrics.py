@@ -129,3 +129,18 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
         "fpr95": float(fpr[(tpr >= 0.95).argmax()]),
         "roc": {"fpr": [float(fpr[i]) for i in keep], "tpr": [float(tpr[i]) for i in keep]},
     }
+
+
+def low_accuracy_warning(acc: float, num_classes: int, where: str) -> str | None:
+    """A warning when accuracy is below 50% or within 2× of chance (``1/K``), else ``None``.
+
+    A pretrained model that scores this low on its own kind of data is almost always fed wrongly
+    (preprocessing, class order, wrong head), and every uncertainty number after it is meaningless.
+    """
+    chance = 1.0 / num_classes
+    if acc >= 0.5 and acc > 2 * chance:
+        return None
+    return (
+        f"MAP accuracy on {where} is {acc:.1%} (chance {chance:.1%}): check the preprocessing "
+        "(--preprocess / --mean --std --resize --crop), the class order of the data, and the head (--head)"
+    )

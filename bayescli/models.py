@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bayescli.checkpoints import mismatch_message, read_checkpoint, resolve_state_dict
 from bayescli.errors import BayescliError, require
-from bayescli.io import load_state_dict, sha256_file
+from bayescli.io import sha256_file
 
 SPLIT_TOLERANCE = 1e-5
 
@@ -296,6 +297,7 @@ class LoadedModel:
     checkpoint: Path
     sha256: str
     metadata: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)  # checkpoint_key / stripped_prefixes, if any
 
     @property
     def class_names(self) -> list[str]:
@@ -311,6 +313,7 @@ class LoadedModel:
             "head": self.classifier.head_name,
             "num_classes": self.classifier.num_classes,
             "feature_dim": self.classifier.feature_dim,
+            **self.source,
         }
 
 
@@ -319,15 +322,20 @@ def load_classifier(
     checkpoint: str | Path,
     head: str | None = None,
     expected_sha256: str | None = None,
+    checkpoint_key: str | None = None,
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
-    Raises :class:`BayescliError` for unknown specs, unreadable checkpoints, a hash mismatch
-    with ``expected_sha256``, or a state dict that does not fit the architecture.
+    The state dict is found inside wrappers and freed of wrapper prefixes by
+    :func:`bayescli.checkpoints.resolve_state_dict` (``checkpoint_key`` picks a wrapper entry);
+    what was unwrapped or stripped is in :meth:`LoadedModel.describe`. Raises
+    :class:`BayescliError` for unknown specs, unreadable checkpoints, a hash mismatch with
+    ``expected_sha256``, or weights that do not fit the architecture (naming the first missing,
+    unexpected or mis-shaped keys).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(model)
     path = Path(checkpoint)
-    state, meta = load_state_dict(path)
+    content, meta = read_checkpoint(path)
     digest = sha256_file(path)
     if expected_sha256 is not None and digest != expected_sha256:
         raise BayescliError(
@@ -341,27 +349,28 @@ def load_classifier(
     kwargs = dict(meta.get("model_kwargs", {}))
     input_shape = tuple(meta["input_shape"]) if meta.get("input_shape") else None
     num_classes = meta.get("num_classes")
-    if spec.kind != "builtin" and num_classes is None:
-        probe = build_network(spec, None, input_shape, kwargs)
-        head_name = head or last_linear_name(probe)
-        key = f"{head_name}.weight"
+    net = build_network(spec, None if spec.kind != "builtin" else num_classes, input_shape, kwargs)
+    resolved = resolve_state_dict(content, _shapes(net), checkpoint_key)
+    if spec.kind != "builtin":
+        head_name = head or last_linear_name(net)
+        weight = resolved.state.get(f"{head_name}.weight")
         require(
-            key in state and state[key].dim() == 2,
-            f"checkpoint {path} has no 2-D '{key}' for the head '{head_name}'; it does not "
-            f"match {spec} (or pass --head NAME)",
+            weight is not None and weight.dim() == 2,
+            f"checkpoint {path} has no 2-D '{head_name}.weight' for the head of {spec} "
+            f"({mismatch_message(resolved.state, _shapes(net))}); or pass --head NAME",
         )
-        num_classes = int(state[key].shape[0])
-    net = build_network(spec, num_classes, input_shape, kwargs)
-    try:
-        net.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        detail = lines[1] if len(lines) > 1 else lines[0]
-        raise BayescliError(
-            f"checkpoint {path} does not match {spec}: {detail[:240]}; check --model"
-        ) from None
+        if int(weight.shape[0]) != _shapes(net)[f"{head_name}.weight"][0]:
+            net = build_network(spec, int(weight.shape[0]), input_shape, kwargs)
+    problem = mismatch_message(resolved.state, _shapes(net))
+    if problem:
+        raise BayescliError(f"checkpoint {path} does not match {spec}: {problem}")
+    net.load_state_dict(resolved.state, strict=True)
     net.eval()
     norm = meta.get("normalisation", {})
     clf = Classifier(net, head or last_linear_name(net), norm.get("mean"), norm.get("std"))
     clf.eval()
-    return LoadedModel(clf, spec, path, digest, meta)
+    return LoadedModel(clf, spec, path, digest, meta, resolved.describe())
+
+
+def _shapes(net: nn.Module) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in net.state_dict().items()}

@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
+from bayescli.checkpoints import read_checkpoint
 from bayescli.errors import BayescliError
-from bayescli.io import atomic_path, load_state_dict, load_tensors, save_tensors, sha256_file, write_json
+from bayescli.io import atomic_path, load_tensors, save_tensors, sha256_file, write_json
 
 
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):
@@ -52,21 +53,21 @@ def test_pickled_object_is_never_unpickled(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.zeros(2), "obj": argparse.Namespace(cmd="rm -rf")}, path)
     with pytest.raises(BayescliError, match="weights-only"):
-        load_state_dict(path)
+        read_checkpoint(path)
 
 
 def test_plain_state_dict_pt_loads(tmp_path):
     path = tmp_path / "ok.pth"
     torch.save({"state_dict": {"w": torch.ones(3)}}, path)
-    state, meta = load_state_dict(path)
-    assert torch.equal(state["w"], torch.ones(3)) and meta == {}
+    content, meta = read_checkpoint(path)
+    assert torch.equal(content["state_dict"]["w"], torch.ones(3)) and meta == {}
 
 
 def test_unknown_checkpoint_format_is_refused(tmp_path):
     path = tmp_path / "model.h5"
     path.write_bytes(b"x")
     with pytest.raises(BayescliError, match="unsupported checkpoint format"):
-        load_state_dict(path)
+        read_checkpoint(path)
 
 
 def test_sha256_matches_hashlib(tmp_path):

@@ -101,6 +101,12 @@ def posterior_summary(post: LaplacePosterior) -> dict:
     }
 
 
+def warn(message: str | None) -> None:
+    """Print a one-line warning on stderr (kept off stdout, which --json reserves)."""
+    if message:
+        typer.echo(f"warning: {message}", err=True)
+
+
 def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.3e}"

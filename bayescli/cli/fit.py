@@ -51,6 +51,10 @@ def fit_laplace_cmd(
         int, typer.Option(min=0, help="Newton/L-BFGS steps to the GLM mode before fitting (last layer).")
     ] = 0,
     head: c.Head = None,
+    checkpoint_key: Annotated[
+        str | None,
+        typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
+    ] = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -66,6 +70,7 @@ def fit_laplace_cmd(
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
     from bayescli.features import extract_features
+    from bayescli.metrics import accuracy, low_accuracy_warning
     from bayescli.models import load_classifier
     from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive.tuning import tune_prior_val_nll
@@ -77,7 +82,7 @@ def fit_laplace_cmd(
     if prior == "val-nll" and predictive is Predictive.GGP:
         raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
     dev = c.resolve_device(device)
-    loaded = load_classifier(model, checkpoint, head)
+    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key)
     fit_data = c.load(data, data_root, download, limit, seed)
     c.check_labels(fit_data, loaded.classifier.num_classes)
     feats = extract_features(loaded, fit_data, batch_size, dev)
@@ -123,7 +128,11 @@ def fit_laplace_cmd(
         "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": feats.seconds,
+        **{k: v for k, v in loaded.source.items() if v},
     }
+    if feats.labels is not None:
+        summary["map_accuracy"] = accuracy(feats.logits, feats.labels)
+        c.warn(low_accuracy_warning(summary["map_accuracy"], clf.num_classes, f"the fitting data {data}"))
     if "refinement" in post.meta:
         ref = post.meta["refinement"]
         summary |= {

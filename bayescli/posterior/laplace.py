@@ -225,6 +225,7 @@ class LaplacePosterior:
             checkpoint or self.meta["checkpoint"],
             self.meta.get("head"),
             self.meta["checkpoint_sha256"],
+            self.meta.get("checkpoint_key"),
         )
         if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
             raise BayescliError(
