@@ -69,6 +69,7 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
+    from bayescli.data import validation_spec
     from bayescli.features import extract_features
     from bayescli.metrics import accuracy, low_accuracy_warning
     from bayescli.models import load_classifier
@@ -104,7 +105,7 @@ def fit_laplace_cmd(
         refine_steps=refine_mode,
     )
     if prior == "val-nll":
-        spec = val_data or f"{data.split(':')[0]}:val"
+        spec = val_data or validation_spec(data)
         val = c.load(spec, data_root, download, None, seed)
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
@@ -133,6 +134,7 @@ def fit_laplace_cmd(
     if feats.labels is not None:
         summary["map_accuracy"] = accuracy(feats.logits, feats.labels)
         c.warn(low_accuracy_warning(summary["map_accuracy"], clf.num_classes, f"the fitting data {data}"))
+    c.warn(post.meta["prior"].get("warning"))
     if "refinement" in post.meta:
         ref = post.meta["refinement"]
         summary |= {

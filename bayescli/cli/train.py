@@ -32,13 +32,14 @@ def train(
 
     Example: bayescli train --model builtin:small-cnn --data digits:train --out model.safetensors
     """
+    from bayescli.data import DataSpec, validation_spec
     from bayescli.train import save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("checkpoints are written as .safetensors", param_hint="--out")
     train_data = c.load(data, data_root, download, limit, seed)
-    val_spec = val or (data.rsplit(":", 1)[0] + ":val" if data.endswith(":train") else None)
+    val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
     val_data = c.load(val_spec, data_root, download, None, seed) if val_spec else None
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed)
     clf, meta = train_classifier(model, train_data, val_data, cfg, c.resolve_device(device))

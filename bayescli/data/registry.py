@@ -1,14 +1,18 @@
-"""``--data NAME[:split]``: parse a data spec and load it as :class:`ArrayData`.
+"""``--data NAME[:split][[lo:hi]]``: parse a data spec and load it as :class:`ArrayData`.
 
 Splits are deterministic: ``digits``, ``npz:`` and ``imagefolder:`` are split 70/10/20
 (train/val/test) by a seeded permutation; the torchvision sets keep their official test set
-and hold out a seeded 10% of the official training set as ``val``. Every split records its seed.
+and hold out a seeded 10% of the official training set as ``val``. ``idx:DIR`` (any data in
+MNIST's IDX format) has official splits when DIR holds both ``train-*`` and ``t10k-*`` files, and
+is one source split 70/10/20 otherwise. Every split records its seed. A trailing index range
+``[lo:hi]`` (Python slice syntax) keeps those rows of the split, e.g. ``mnist:test[:5000]``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +24,8 @@ from bayescli.errors import BayescliError
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0
 _FRACTIONS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}
+_PATH_KINDS = ("npz", "imagefolder", "idx")
+_ROWS = re.compile(r"^(?P<spec>.*)\[(?P<lo>-?\d*):(?P<hi>-?\d*)\]$")
 
 
 @dataclass(frozen=True)
@@ -29,24 +35,33 @@ class DataSpec:
     name: str
     split: str | None = None
     path: str | None = None
+    rows: tuple[int | None, int | None] | None = None
 
     @classmethod
     def parse(cls, text: str) -> DataSpec:
+        ranged = _ROWS.match(text)
+        if ranged:
+            lo, hi = (int(v) if v else None for v in (ranged["lo"], ranged["hi"]))
+            return replace(cls.parse(ranged["spec"]), rows=(lo, hi))
+        if "[" in text or "]" in text:
+            raise BayescliError(
+                f"bad index range in '{text}'; use e.g. mnist:test[:5000] or npz:f.npz[100:200]"
+            )
         kind, _, rest = text.partition(":")
-        if kind in ("npz", "imagefolder"):
+        if kind in _PATH_KINDS:
             path, split = rest, None
             head, sep, tail = rest.rpartition(":")
             if sep and tail in SPLITS:
                 path, split = head, tail
             if not path:
                 raise BayescliError(
-                    f"'{text}' needs a path, e.g. {kind}:data/batch.{kind if kind == 'npz' else ''}"
+                    f"'{text}' needs a path, e.g. {kind}:" + {"npz": "batch.npz"}.get(kind, "DIR")
                 )
             return cls(kind, split, path)
         if kind not in DATASETS:
             raise BayescliError(
                 f"unknown dataset '{kind}'; choose one of {', '.join(sorted(DATASETS))}, "
-                "npz:PATH or imagefolder:PATH"
+                "npz:PATH, idx:DIR or imagefolder:PATH"
             )
         if rest and rest not in SPLITS:
             raise BayescliError(f"unknown split '{rest}' in '{text}'; use one of {', '.join(SPLITS)}")
@@ -54,7 +69,20 @@ class DataSpec:
 
     def __str__(self) -> str:
         base = f"{self.name}:{self.path}" if self.path else self.name
-        return f"{base}:{self.split}" if self.split else base
+        base = f"{base}:{self.split}" if self.split else base
+        if self.rows is None:
+            return base
+        lo, hi = ("" if v is None else str(v) for v in self.rows)
+        return f"{base}[{lo}:{hi}]"
+
+    def with_split(self, split: str) -> DataSpec:
+        """The same source's ``split``, all its rows."""
+        return replace(self, split=split, rows=None)
+
+
+def validation_spec(text: str) -> str:
+    """The validation split of the source that ``text`` names (``npz:f.npz[:900]`` → ``npz:f.npz:val``)."""
+    return str(DataSpec.parse(text).with_split("val"))
 
 
 def _seeded_split(n: int, split: str, seed: int) -> torch.Tensor:
@@ -101,6 +129,25 @@ def _npz(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
     return _split_whole(sources.npz(Path(spec.path)), spec.split, seed)
 
 
+def _idx(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+    folder = Path(spec.path)
+    if not folder.is_dir():
+        raise BayescliError(f"idx folder not found: {folder}")
+    found = {s: sources.idx_pair(folder, stem) for s, stem in sources.IDX_SPLIT_STEMS.items()}
+    if all(found.values()):
+        official = _official(lambda _root, train, _download: found["train" if train else "test"])
+        return official(spec, root, download, seed)
+    for pattern in ("*-images-idx3-ubyte", "*-images-idx3-ubyte.gz"):
+        images = sorted(folder.glob(pattern))
+        if len(images) == 1:
+            prefix = images[0].name.split("-images-")[0]
+            return _split_whole(sources.idx_pair(folder, prefix), spec.split, seed)
+    raise BayescliError(
+        f"{folder} needs one PREFIX-images-idx3-ubyte[.gz] file (with PREFIX-labels-idx1-ubyte[.gz]), "
+        "or train-* and t10k-* pairs"
+    )
+
+
 def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
     return _split_whole(sources.imagefolder(Path(spec.path)), spec.split, seed)
 
@@ -114,6 +161,7 @@ DATASETS: dict[str, Callable[[DataSpec, Path, bool, int], ArrayData]] = {
     "cifar100": _official(sources.cifar100),
     "svhn": _official(sources.svhn),
     "npz": _npz,
+    "idx": _idx,
     "imagefolder": _imagefolder,
 }
 
@@ -134,6 +182,9 @@ def load_data(
     parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
     data = DATASETS[parsed.name](parsed, Path(root), download, split_seed)
     data.info = {"spec": str(parsed), **data.info}
+    if parsed.rows is not None:
+        lo, hi = parsed.rows
+        data = data.subset(slice(lo, hi), rows=[lo, hi], rows_of=len(data))
     if limit is not None:
         if limit <= 0:
             raise BayescliError(f"--limit must be positive, got {limit}")

@@ -97,23 +97,82 @@ def _open_rgb(path: str):  # noqa: ANN202 - PIL image
 _MNIST_CLASSES = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "kmnist": "KMNIST"}
 
 
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+IDX_SPLIT_STEMS = {"train": "train", "test": "t10k"}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An array in the IDX format of MNIST (``.gz`` or plain): magic ``0 0 dtype ndim``, big-endian dims."""
+    import gzip
+
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as exc:
+        raise BayescliError(f"cannot read {path} ({exc}); the file may be truncated") from None
+    if len(raw) < 4 or raw[0] or raw[1] or raw[2] not in _IDX_DTYPES:
+        raise BayescliError(f"{path} is not an IDX file (bad magic number)")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    offset = 4 + 4 * ndim
+    count = int(np.prod(dims)) if dims else 0
+    if len(raw) - offset != count * dtype.itemsize:
+        have, want = len(raw) - offset, count * dtype.itemsize
+        raise BayescliError(f"{path} holds {have} data bytes, its header says {want}; it is truncated")
+    return np.frombuffer(raw, dtype, count, offset).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def _idx_file(folder: Path, stem: str) -> Path | None:
+    for name in (stem, stem + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def idx_pair(folder: Path, prefix: str) -> ArrayData | None:
+    """``{prefix}-images-idx3-ubyte[.gz]`` and optional ``{prefix}-labels-idx1-ubyte[.gz]`` in ``folder``."""
+    images = _idx_file(folder, f"{prefix}-images-idx3-ubyte")
+    if images is None:
+        return None
+    x = torch.from_numpy(read_idx(images).copy())
+    if x.dim() != 3 or x.dtype != torch.uint8:
+        raise BayescliError(f"{images} must hold uint8 images [N, H, W], got {x.dtype} {list(x.shape)}")
+    labels = _idx_file(folder, f"{prefix}-labels-idx1-ubyte")
+    y = torch.from_numpy(read_idx(labels).astype(np.int64)) if labels else None
+    if y is not None and len(y) != len(x):
+        raise BayescliError(f"{labels} has {len(y)} labels for {len(x)} images in {images}")
+    k = int(y.max()) + 1 if y is not None and len(y) else 0
+    return ArrayData(x.unsqueeze(1), y, [str(i) for i in range(k)], {"source": str(images)})
+
+
 def mnist_family(name: str) -> Callable[[Path, bool, bool], ArrayData]:
-    """Loader for MNIST, Fashion-MNIST or KMNIST via torchvision (idx files under ROOT/CLASS/raw)."""
+    """MNIST, Fashion-MNIST or KMNIST from IDX files under ``ROOT/CLASS/raw`` (torchvision's layout).
+
+    Read here, split by split, so a root holding only the test files serves ``:test`` (torchvision
+    insists on both); ``--download`` lets torchvision fetch missing files first.
+    """
 
     def load(root: Path, train: bool, download: bool) -> ArrayData:
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, _MNIST_CLASSES[name])
-        try:
-            ds = cls(str(root), train=train, download=download)
-        except RuntimeError as exc:
-            if "not found" in str(exc).lower():
-                raise _missing(name, root, f"{root}/{cls.__name__}/raw/*-idx*-ubyte") from None
-            raise BayescliError(f"{name}: {exc}") from None
-        x = ds.data.unsqueeze(1).contiguous()
-        return ArrayData(
-            x, ds.targets.long(), [str(c) for c in ds.classes], {"source": f"torchvision.{cls.__name__}"}
-        )
+        folder = root / cls.__name__ / "raw"
+        prefix = IDX_SPLIT_STEMS["train" if train else "test"]
+        data = idx_pair(folder, prefix)
+        if data is None and download:
+            try:
+                cls(str(root), train=train, download=True)
+            except (RuntimeError, OSError) as exc:
+                raise BayescliError(f"{name}: download failed ({exc})") from None
+            data = idx_pair(folder, prefix)
+        if data is None:
+            raise _missing(name, root, f"{folder}/{prefix}-images-idx3-ubyte[.gz]")
+        if data.y is None:
+            raise BayescliError(f"{name}: {folder} lacks {prefix}-labels-idx1-ubyte[.gz]")
+        data.class_names = [str(c) for c in cls.classes]
+        data.info["source"] = f"{cls.__name__} IDX files in {folder}"
+        return data
 
     return load
 

@@ -41,7 +41,7 @@ from bayescli.posterior.gaussian import (
     WeightGaussian,
     augment,
 )
-from bayescli.posterior.prior import log_marglik, optimise_marglik
+from bayescli.posterior.prior import edge_warning, log_marglik, optimise_marglik
 from bayescli.posterior.refine import refine_mode
 
 FORMAT = "bayescli-posterior"
@@ -156,6 +156,9 @@ class LaplacePosterior:
             raise BayescliError(f"prior precision must be positive, got {delta}")
         self.gaussian.with_delta(delta)
         self.meta["prior"] = {"value": float(delta), "method": method, "curve": curve or []}
+        warning = edge_warning(delta, curve or [])
+        if warning:
+            self.meta["prior"]["warning"] = warning
 
     def optimise_prior_marglik(self) -> float:
         """Set ``δ`` to the maximiser of the Laplace marginal likelihood; returns it."""

@@ -50,8 +50,44 @@ def optimise_marglik(
     return delta, [[g, v] for g, v in zip(grid.tolist(), values.tolist(), strict=True)]
 
 
-def grid_search(objective: Callable[[float], float], grid: list[float]) -> tuple[float, list[list[float]]]:
-    """``argmin`` of ``objective`` over ``grid`` and the curve ``[[δ, value], ...]``."""
-    curve = [[float(d), float(objective(d))] for d in grid]
-    best = min(curve, key=lambda dv: dv[1] if np.isfinite(dv[1]) else np.inf)
-    return best[0], curve
+def grid_search(
+    objective: Callable[[float], float], grid: list[float], extensions: int = 2, extend_by: int = 8
+) -> tuple[float, list[list[float]]]:
+    """``argmin`` of ``objective`` over a log-spaced ``grid`` and the curve ``[[δ, value], ...]``.
+
+    A minimum on the grid's first or last point is no minimum: the grid is extended beyond that end
+    by ``extend_by`` points of the same log spacing, up to ``extensions`` times. If the minimum is
+    still on the edge, :func:`edge_warning` says so.
+    """
+    grid = sorted(float(d) for d in grid)
+    ratio = grid[1] / grid[0] if len(grid) > 1 else 10.0
+    curve = [[d, float(objective(d))] for d in grid]
+
+    def best() -> list[float]:
+        return min(curve, key=lambda dv: dv[1] if np.isfinite(dv[1]) else np.inf)
+
+    for _ in range(extensions):
+        delta = best()[0]
+        if delta == curve[0][0]:
+            new = [curve[0][0] / ratio**i for i in range(extend_by, 0, -1)]
+        elif delta == curve[-1][0]:
+            new = [curve[-1][0] * ratio**i for i in range(1, extend_by + 1)]
+        else:
+            break
+        curve = sorted(curve + [[d, float(objective(d))] for d in new])
+    return best()[0], curve
+
+
+def edge_warning(delta: float, curve: list[list[float]]) -> str | None:
+    """A warning when the chosen ``δ`` is the smallest or largest value searched."""
+    if len(curve) < 2:
+        return None
+    lo, hi = min(d for d, _ in curve), max(d for d, _ in curve)
+    if lo < delta < hi:
+        return None
+    side = "largest" if delta >= hi else "smallest"
+    toward = "a stronger prior (predictions closer to MAP)" if side == "largest" else "a weaker prior"
+    return (
+        f"the prior precision {delta:.3g} is the {side} value searched ({lo:.3g}–{hi:.3g}); the "
+        f"objective may improve further toward {toward}: pass a number to --prior-precision"
+    )
