@@ -25,6 +25,7 @@ from torch import nn
 from bayescli.checkpoints import mismatch_message, read_checkpoint, resolve_state_dict
 from bayescli.errors import BayescliError, require
 from bayescli.io import sha256_file
+from bayescli.preprocess import Preprocess
 
 SPLIT_TOLERANCE = 1e-5
 
@@ -298,6 +299,7 @@ class LoadedModel:
     sha256: str
     metadata: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # checkpoint_key / stripped_prefixes, if any
+    preprocess: Preprocess = field(default_factory=Preprocess)
 
     @property
     def class_names(self) -> list[str]:
@@ -314,6 +316,7 @@ class LoadedModel:
             "num_classes": self.classifier.num_classes,
             "feature_dim": self.classifier.feature_dim,
             **self.source,
+            "preprocess": self.preprocess.to_meta(),
         }
 
 
@@ -323,6 +326,7 @@ def load_classifier(
     head: str | None = None,
     expected_sha256: str | None = None,
     checkpoint_key: str | None = None,
+    preprocess: Preprocess | None = None,
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
@@ -331,7 +335,8 @@ def load_classifier(
     what was unwrapped or stripped is in :meth:`LoadedModel.describe`. Raises
     :class:`BayescliError` for unknown specs, unreadable checkpoints, a hash mismatch with
     ``expected_sha256``, or weights that do not fit the architecture (naming the first missing,
-    unexpected or mis-shaped keys).
+    unexpected or mis-shaped keys). ``preprocess`` sets the input recipe; without one, the
+    normalisation a ``bayescli train`` checkpoint carries is used (none for other checkpoints).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(model)
     path = Path(checkpoint)
@@ -366,10 +371,13 @@ def load_classifier(
         raise BayescliError(f"checkpoint {path} does not match {spec}: {problem}")
     net.load_state_dict(resolved.state, strict=True)
     net.eval()
-    norm = meta.get("normalisation", {})
-    clf = Classifier(net, head or last_linear_name(net), norm.get("mean"), norm.get("std"))
+    if preprocess is None:
+        norm = meta.get("normalisation", {})
+        source = "checkpoint" if norm.get("mean") else "none"
+        preprocess = Preprocess(source, norm.get("mean"), norm.get("std"))
+    clf = Classifier(net, head or last_linear_name(net), preprocess.mean, preprocess.std)
     clf.eval()
-    return LoadedModel(clf, spec, path, digest, meta, resolved.describe())
+    return LoadedModel(clf, spec, path, digest, meta, resolved.describe(), preprocess)
 
 
 def _shapes(net: nn.Module) -> dict[str, torch.Size]:

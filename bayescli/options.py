@@ -91,3 +91,19 @@ class TrainConfig:
 
 # Methods `evaluate` compares when --methods is not given.
 DEFAULT_METHODS = "map,glm-probit,glm-bridge"
+
+
+class PreprocessPreset(str, Enum):
+    """Where the input recipe comes from (see :mod:`bayescli.preprocess`)."""
+
+    TIMM = "timm"
+    TORCHVISION = "torchvision"
+    IMAGENET = "imagenet"
+    CIFAR = "cifar"
+    NONE = "none"
+
+
+class Interpolation(str, Enum):
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    NEAREST = "nearest"

@@ -12,12 +12,14 @@ from rich.table import Table
 
 from bayescli import progress
 from bayescli.errors import BayescliError
+from bayescli.options import Interpolation, PreprocessPreset
 
 if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must not load torch
     import torch
 
     from bayescli.data import ArrayData
     from bayescli.posterior.laplace import LaplacePosterior
+    from bayescli.preprocess import Preprocess
 
 # Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
 stdout = Console(width=None if sys.stdout.isatty() else 160)
@@ -34,6 +36,19 @@ Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subs
 CheckpointOverride = Annotated[
     Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
 ]
+PreprocessOpt = Annotated[
+    PreprocessPreset | None,
+    typer.Option(
+        "--preprocess",
+        help="Input recipe: timm / torchvision (the named model's pretrained config), imagenet, cifar, "
+        "none. Default: the checkpoint's own (bayescli train) or none.",
+    ),
+]
+Mean = Annotated[str | None, typer.Option(help="Per-channel mean, e.g. 0.485,0.456,0.406 (overrides).")]
+Std = Annotated[str | None, typer.Option(help="Per-channel std, e.g. 0.229,0.224,0.225 (overrides).")]
+Resize = Annotated[int | None, typer.Option(min=1, help="Resize the shorter side to N px (aspect kept).")]
+Crop = Annotated[int | None, typer.Option(min=1, help="Centre-crop N×N px after resizing.")]
+InterpolationOpt = Annotated[Interpolation | None, typer.Option("--interpolation", help="Resize filter.")]
 Head = Annotated[
     str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
 ]
@@ -48,10 +63,22 @@ def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
         torch.manual_seed(seed)
 
 
-def load(spec: str, root: Path, download: bool, limit: int | None, seed: int) -> ArrayData:
+def load(
+    spec: str, root: Path, download: bool, limit: int | None, seed: int, preprocess: Preprocess | None = None
+) -> ArrayData:
     from bayescli.data import load_data
 
-    return load_data(spec, root=root, download=download, limit=limit, seed=seed)
+    return load_data(spec, root=root, download=download, limit=limit, seed=seed, preprocess=preprocess)
+
+
+def floats(text: str | None, option: str) -> tuple[float, ...] | None:
+    """``"0.5,0.5,0.5"`` → ``(0.5, 0.5, 0.5)``; a clear error otherwise."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise BayescliError(f"{option} takes comma-separated numbers like 0.5,0.5,0.5: '{text}'") from None
 
 
 def check_labels(data: ArrayData, num_classes: int) -> None:
@@ -80,7 +107,7 @@ def prepare_prediction(
 
     post = LaplacePosterior.load(posterior)
     model = post.load_model(checkpoint)
-    test = load(data, root, download, limit, seed)
+    test = load(data, root, download, limit, seed, model.preprocess)
     check_labels(test, model.classifier.num_classes)
     feats = extract_features(model, test, batch_size, resolve_device(device))
     model.classifier.cpu()

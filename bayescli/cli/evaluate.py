@@ -91,7 +91,7 @@ def evaluate_cmd(
     )
     post = LaplacePosterior.load(posterior)
     model = post.load_model(checkpoint)
-    test = c.load(data, data_root, download, limit, seed)
+    test = c.load(data, data_root, download, limit, seed, model.preprocess)
     c.check_labels(test, model.classifier.num_classes)
     report = run_evaluation(post, model, test, cfg)
     report["posterior_file"] = str(posterior)

@@ -51,6 +51,12 @@ def fit_laplace_cmd(
         int, typer.Option(min=0, help="Newton/L-BFGS steps to the GLM mode before fitting (last layer).")
     ] = 0,
     head: c.Head = None,
+    preprocess: c.PreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     checkpoint_key: Annotated[
         str | None,
         typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
@@ -75,6 +81,7 @@ def fit_laplace_cmd(
     from bayescli.models import load_classifier
     from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive.tuning import tune_prior_val_nll
+    from bayescli.preprocess import resolve_preprocess
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -83,8 +90,11 @@ def fit_laplace_cmd(
     if prior == "val-nll" and predictive is Predictive.GGP:
         raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
     dev = c.resolve_device(device)
-    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key)
-    fit_data = c.load(data, data_root, download, limit, seed)
+    pre = resolve_preprocess(
+        preprocess, model, c.floats(mean, "--mean"), c.floats(std, "--std"), resize, crop, interpolation
+    )
+    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=pre)
+    fit_data = c.load(data, data_root, download, limit, seed, loaded.preprocess)
     c.check_labels(fit_data, loaded.classifier.num_classes)
     feats = extract_features(loaded, fit_data, batch_size, dev)
     clf = loaded.classifier.cpu()
@@ -106,7 +116,7 @@ def fit_laplace_cmd(
     )
     if prior == "val-nll":
         spec = val_data or validation_spec(data)
-        val = c.load(spec, data_root, download, None, seed)
+        val = c.load(spec, data_root, download, None, seed, loaded.preprocess)
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
         tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
@@ -129,6 +139,7 @@ def fit_laplace_cmd(
         "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": feats.seconds,
+        "preprocess": loaded.preprocess.source,
         **{k: v for k, v in loaded.source.items() if v},
     }
     if feats.labels is not None:

@@ -67,6 +67,11 @@ class ArrayData:
             self.index[index],
         )
 
+    def map_inputs(self, fn, batch_size: int = 1024) -> ArrayData:
+        """A copy whose inputs are ``fn(x)`` (pixel-space float batches ``[B, ...]`` → ``[B, ...]``)."""
+        x = torch.cat([fn(xb) for xb, _ in self.batches(batch_size)]) if len(self) else self.x.float()
+        return ArrayData(x, self.y, self.class_names, dict(self.info), self.index)
+
     def check_finite(self) -> None:
         """Raise if any input is NaN or infinite."""
         if self.x.is_floating_point() and not torch.isfinite(self.x).all():

@@ -20,6 +20,7 @@ import torch
 from bayescli.data import sources
 from bayescli.data.base import ArrayData
 from bayescli.errors import BayescliError
+from bayescli.preprocess import Preprocess
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0
@@ -104,10 +105,10 @@ def _split_whole(data: ArrayData, split: str | None, seed: int) -> ArrayData:
 Loader = Callable[[Path, bool, bool], ArrayData]  # (root, train, download) -> data
 
 
-def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int], ArrayData]:
+def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int, Preprocess], ArrayData]:
     """Wrap a train/test loader: ``val`` is a seeded 10% of the official training set."""
 
-    def load(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+    def load(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
         split = spec.split or "test"
         if split == "test":
             full = loader(root, False, download)
@@ -121,22 +122,22 @@ def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int], ArrayData
     return load
 
 
-def _digits(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+def _digits(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
     return _split_whole(sources.digits(), spec.split or "test", seed)
 
 
-def _npz(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+def _npz(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
     return _split_whole(sources.npz(Path(spec.path)), spec.split, seed)
 
 
-def _idx(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
+def _idx(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
     folder = Path(spec.path)
     if not folder.is_dir():
         raise BayescliError(f"idx folder not found: {folder}")
     found = {s: sources.idx_pair(folder, stem) for s, stem in sources.IDX_SPLIT_STEMS.items()}
     if all(found.values()):
         official = _official(lambda _root, train, _download: found["train" if train else "test"])
-        return official(spec, root, download, seed)
+        return official(spec, root, download, seed, pre)
     for pattern in ("*-images-idx3-ubyte", "*-images-idx3-ubyte.gz"):
         images = sorted(folder.glob(pattern))
         if len(images) == 1:
@@ -148,11 +149,11 @@ def _idx(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
     )
 
 
-def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int) -> ArrayData:
-    return _split_whole(sources.imagefolder(Path(spec.path)), spec.split, seed)
+def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+    return _split_whole(sources.imagefolder(Path(spec.path), pre), spec.split, seed)
 
 
-DATASETS: dict[str, Callable[[DataSpec, Path, bool, int], ArrayData]] = {
+DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], ArrayData]] = {
     "digits": _digits,
     "mnist": _official(sources.mnist_family("mnist")),
     "fashion-mnist": _official(sources.mnist_family("fashion-mnist")),
@@ -173,14 +174,18 @@ def load_data(
     limit: int | None = None,
     seed: int = 0,
     split_seed: int = DEFAULT_SPLIT_SEED,
+    preprocess: Preprocess | None = None,
 ) -> ArrayData:
     """Load ``spec`` (e.g. ``digits:test``, ``cifar10:train``, ``npz:batch.npz``).
 
     ``limit`` keeps a seeded random subset of that many rows (``seed``); ``split_seed`` fixes the
-    train/val/test partition. Non-finite inputs raise :class:`BayescliError`.
+    train/val/test partition; ``preprocess`` resizes and centre-crops the images in pixel space
+    (image folders image by image, at their own sizes). Non-finite inputs raise
+    :class:`BayescliError`.
     """
     parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
-    data = DATASETS[parsed.name](parsed, Path(root), download, split_seed)
+    pre = preprocess or Preprocess()
+    data = DATASETS[parsed.name](parsed, Path(root), download, split_seed, pre)
     data.info = {"spec": str(parsed), **data.info}
     if parsed.rows is not None:
         lo, hi = parsed.rows
@@ -192,6 +197,8 @@ def load_data(
             gen = torch.Generator().manual_seed(seed)
             idx = torch.randperm(len(data), generator=gen)[:limit].sort().values
             data = data.subset(idx, limit=limit, limit_seed=seed)
+    if pre.changes_pixels and not data.info.get("preprocessed"):
+        data = data.map_inputs(pre.pixels)
     data.check_finite()
     if len(data) == 0:
         raise BayescliError(f"{parsed} is empty")

@@ -18,6 +18,7 @@ import torch
 
 from bayescli.data.base import ArrayData
 from bayescli.errors import BayescliError
+from bayescli.preprocess import Preprocess
 
 
 def _missing(name: str, root: Path, expected: str) -> BayescliError:
@@ -63,8 +64,12 @@ def npz(path: Path) -> ArrayData:
     return ArrayData(x, y, names or [str(i) for i in range(k)], {"source": str(path)})
 
 
-def imagefolder(path: Path) -> ArrayData:
-    """A torchvision ``ImageFolder`` tree (``root/class/img.png``), resized to the first image's size."""
+def imagefolder(path: Path, pre: Preprocess | None = None) -> ArrayData:
+    """A torchvision ``ImageFolder`` tree (``root/class/img.png``).
+
+    With a preprocess that resizes/crops, each image is resized and cropped at its own size
+    (aspect ratio kept); without one, images are resized to the first image's size.
+    """
     from torchvision.datasets import ImageFolder
     from torchvision.transforms.functional import pil_to_tensor, resize
 
@@ -77,11 +82,16 @@ def imagefolder(path: Path) -> ArrayData:
     images, size = [], None
     for img_path, _ in folder.samples:
         t = pil_to_tensor(_open_rgb(img_path))
+        if pre is not None and pre.changes_pixels:
+            t = pre.pixels(t[None].float() / 255.0)[0]
         size = size or tuple(t.shape[1:])
         images.append(t if tuple(t.shape[1:]) == size else resize(t, list(size), antialias=True))
     x = torch.stack(images)
     y = torch.tensor(folder.targets, dtype=torch.int64)
-    return ArrayData(x, y, list(folder.classes), {"source": str(path), "image_size": list(size)})
+    info = {"source": str(path), "image_size": list(size)}
+    if pre is not None and pre.changes_pixels:
+        info["preprocessed"] = True
+    return ArrayData(x, y, list(folder.classes), info)
 
 
 def _open_rgb(path: str):  # noqa: ANN202 - PIL image

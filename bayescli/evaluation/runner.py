@@ -27,6 +27,7 @@ from bayescli.models import LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive.ggp import fit_ggp
+from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
 SCHEMA_VERSION = 1
@@ -113,11 +114,13 @@ def _ood_key(spec: str) -> str:
     return spec[:-5] if spec.endswith(":test") else spec
 
 
-def load_ood(spec: str, reference: ArrayData, cfg: EvalConfig) -> ArrayData:
+def load_ood(
+    spec: str, reference: ArrayData, cfg: EvalConfig, preprocess: Preprocess | None = None
+) -> ArrayData:
     """An OOD set shaped like ``reference``: synthetic, or any data spec (test split by default)."""
     if spec in SYNTHETIC_OOD:
         return synthetic_ood(spec, reference, cfg.ood_limit or len(reference), cfg.seed)
-    data = load_data(spec, cfg.data_root, cfg.download, cfg.ood_limit, cfg.seed)
+    data = load_data(spec, cfg.data_root, cfg.download, cfg.ood_limit, cfg.seed, preprocess=preprocess)
     if data.input_shape != reference.input_shape:
         raise BayescliError(
             f"OOD set {spec} has inputs {list(data.input_shape)} but the model takes "
@@ -155,7 +158,7 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
         }
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
-            outs = ev.outputs(load_ood(spec, test, cfg))
+            outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess))
             results["ood"][_ood_key(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),

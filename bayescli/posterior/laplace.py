@@ -43,6 +43,7 @@ from bayescli.posterior.gaussian import (
 )
 from bayescli.posterior.prior import edge_warning, log_marglik, optimise_marglik
 from bayescli.posterior.refine import refine_mode
+from bayescli.preprocess import Preprocess
 
 FORMAT = "bayescli-posterior"
 FORMAT_VERSION = 1
@@ -229,6 +230,7 @@ class LaplacePosterior:
             self.meta.get("head"),
             self.meta["checkpoint_sha256"],
             self.meta.get("checkpoint_key"),
+            Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
         )
         if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
             raise BayescliError(

@@ -309,7 +309,7 @@ def fit_ggp(
     spec = (posterior.meta.get("data") or {}).get("spec")
     if not spec:
         raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
-    fit_data = load_data(spec, root, download, points, seed)
+    fit_data = load_data(spec, root, download, points, seed, preprocess=model.preprocess)
     feats = extract_features(model, fit_data, batch_size, device)
     model.classifier.cpu()
     ggp = GGPPredictor(posterior, feats, refine, model.classifier, fit_data)
