@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -47,31 +48,31 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def _json_default(obj: Any) -> Any:
+def plain(obj: Any) -> Any:
+    """``obj`` as JSON-ready Python: tensors and NumPy values to lists/numbers, paths and enums to
+    strings, and NaN/inf to ``None`` (JSON has no such numbers; every reader can parse null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, str | int | bool) or obj is None:
+        return obj.value if isinstance(obj, Enum) else obj
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [plain(v) for v in obj]
     if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
+        return plain(obj.tolist())
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, Enum):
+        return plain(obj.value)
+    if hasattr(obj, "tolist"):  # NumPy arrays and scalars
+        return plain(obj.tolist())
     raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
-
-
-def _finite_or_none(obj: Any) -> Any:
-    """JSON has no NaN/inf; write them as null so every reader can parse the file."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite_or_none(v) for v in obj]
-    return obj
 
 
 def to_json(obj: Any, indent: int | None = 2) -> str:
     """Serialise ``obj`` (dicts, lists, numbers, tensors, paths) to strict JSON."""
-    plain = json.loads(json.dumps(obj, default=_json_default))
-    return json.dumps(_finite_or_none(plain), indent=indent, allow_nan=False)
+    return json.dumps(plain(obj), indent=indent, allow_nan=False)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -79,6 +80,24 @@ def write_json(path: str | Path, obj: Any) -> None:
     text = to_json(obj)
     with atomic_path(path) as tmp:
         tmp.write_text(text + "\n")
+
+
+def write_jsonl(path: str | Path, header: Any, rows: Iterator[dict]) -> None:
+    """Write ``header`` as the first line and each row as one line (JSON Lines), atomically.
+
+    Rows are serialised as they come, so memory does not grow with their number. Rows of plain
+    Python values (as ``tolist()`` gives) go straight to the encoder; anything else, or a NaN/inf,
+    takes the :func:`plain` route.
+    """
+    encode = json.JSONEncoder(allow_nan=False).encode
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(to_json(header, indent=None) + "\n")
+        for row in rows:
+            try:
+                line = encode(row)
+            except (TypeError, ValueError):
+                line = encode(plain(row))
+            fh.write(line + "\n")
 
 
 def read_json(path: str | Path) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -34,36 +35,51 @@ def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def rows(
-    probs: torch.Tensor, labels: torch.Tensor | None, names: list[str], extra: dict[str, torch.Tensor]
-) -> list[dict]:
-    """Per-input JSON rows: prediction, top-5, uncertainty, label."""
+    probs: torch.Tensor,
+    labels: torch.Tensor | None,
+    names: list[str],
+    extra: dict[str, torch.Tensor],
+    chunk: int = 4096,
+) -> Iterator[dict]:
+    """Per-input JSON rows (prediction, top-5, max probability, entropy, label), chunk by chunk."""
     from bayescli.metrics import entropy
 
-    top_p, top_i = probs.topk(min(5, probs.shape[1]), dim=1)
-    ent = entropy(probs)
-    out = []
-    for n in range(len(probs)):
-        row = {
-            "index": n,
-            "predicted": int(top_i[n, 0]),
-            "predicted_name": names[int(top_i[n, 0])],
-            "top5": [[int(i), float(p)] for i, p in zip(top_i[n], top_p[n], strict=True)],
-            "max_prob": float(top_p[n, 0]),
-            "entropy": float(ent[n]),
+    for start in range(0, len(probs), chunk):
+        sl = slice(start, start + chunk)
+        top_p, top_i = probs[sl].topk(min(5, probs.shape[1]), dim=1)
+        cols = {
+            "top_i": top_i.tolist(),
+            "top_p": top_p.tolist(),
+            "entropy": entropy(probs[sl]).tolist(),
+            "label": labels[sl].tolist() if labels is not None else None,
+            **{key: value[sl].tolist() for key, value in extra.items()},
         }
-        if labels is not None:
-            row["label"] = int(labels[n])
-        for key, value in extra.items():
-            row[key] = value[n].tolist()
-        out.append(row)
-    return out
+        for j in range(len(cols["top_i"])):
+            ti, tp = cols["top_i"][j], cols["top_p"][j]
+            row = {
+                "index": start + j,
+                "predicted": ti[0],
+                "predicted_name": names[ti[0]],
+                "top5": [list(pair) for pair in zip(ti, tp, strict=True)],
+                "max_prob": tp[0],
+                "entropy": cols["entropy"][j],
+            }
+            if labels is not None:
+                row["label"] = cols["label"][j]
+            for key in extra:
+                row[key] = cols[key][j]
+            yield row
 
 
 def predict_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test or npz:batch.npz.")],
     out: Annotated[
-        Path | None, typer.Option(help="Write .json (summary + rows) or .safetensors (arrays).")
+        Path | None,
+        typer.Option(
+            help="Write .json (summary + rows), .jsonl (the summary, then one line per input, "
+            "streamed) or .safetensors (arrays)."
+        ),
     ] = None,
     predictive: Annotated[
         Predictive, typer.Option(help="glm (linearised) or bnn (sampled network).")
@@ -101,7 +117,7 @@ def predict_cmd(
     Example: bayescli predict --posterior posterior.safetensors --data digits:test
     --link probit --out pred.json
     """
-    from bayescli.io import save_tensors, write_json
+    from bayescli.io import save_tensors, write_json, write_jsonl
     from bayescli.metrics import classification_summary
     from bayescli.predictive.ggp import fit_ggp
     from bayescli.predictive.glm import predict
@@ -113,8 +129,8 @@ def predict_cmd(
         link = Link.BRIDGE
     if fit_dirichlet and link is not Link.MC:
         raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
-    if out is not None and out.suffix not in (".json", ".safetensors"):
-        raise typer.BadParameter("use a .json or .safetensors file", param_hint="--out")
+    if out is not None and out.suffix not in (".json", ".jsonl", ".safetensors"):
+        raise typer.BadParameter("use a .json, .jsonl or .safetensors file", param_hint="--out")
     if save_logits and (out is None or out.suffix != ".safetensors"):
         raise typer.BadParameter("--save-logits needs --out FILE.safetensors", param_hint="--save-logits")
     post, model, test, feats = c.prepare_prediction(
@@ -166,9 +182,12 @@ def predict_cmd(
         "results": results,
         "timings": pred.timings,
     }
-    if out is not None and out.suffix == ".json":
-        row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
-        write_json(out, {**report, "rows": rows(pred.probs, feats.labels, model.class_names, row_extra)})
+    row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
+    if out is not None and out.suffix == ".jsonl":
+        write_jsonl(out, report, rows(pred.probs, feats.labels, model.class_names, row_extra))
+    elif out is not None and out.suffix == ".json":
+        all_rows = list(rows(pred.probs, feats.labels, model.class_names, row_extra))
+        write_json(out, {**report, "rows": all_rows})
     elif out is not None:
         tensors = {"probs": pred.probs, **extra}
         if feats.labels is not None:
