@@ -398,8 +398,10 @@ def _disk(radius: float, alias_blur: float) -> torch.Tensor:
 def _box_resize_matrix(n_in: int, n_out: int) -> torch.Tensor:
     """PIL's ``BOX`` resampling of one axis as a matrix ``[n_out, n_in]``.
 
-    Output pixel ``i`` averages the input pixels whose centres fall in its footprint
-    ``[i·r, (i+1)·r)``, ``r = n_in/n_out`` (for ``r < 1``: the pixel under its centre).
+    Output pixel ``i`` (centre ``c = (i + ½)·r``, ``r = n_in/n_out``) averages the input pixels
+    ``j`` with ``(j + ½ − c)/max(r, 1) ∈ (−½, ½]`` among ``⌊c ∓ max(r, 1)/2 + ½⌋`` (PIL's box
+    filter and its rounded support): those whose centres fall in the output pixel's footprint;
+    for ``r < 1`` the input pixel under its centre.
     """
     scale = n_in / n_out
     fscale = max(scale, 1.0)
@@ -410,7 +412,7 @@ def _box_resize_matrix(n_in: int, n_out: int) -> torch.Tensor:
         lo, hi = max(int(centre - support + 0.5), 0), min(int(centre + support + 0.5), n_in)
         j = torch.arange(lo, hi, dtype=torch.float64)
         u = (j - centre + 0.5) / fscale
-        m[i, lo:hi] = ((u >= -0.5) & (u < 0.5)).double()
+        m[i, lo:hi] = ((u > -0.5) & (u <= 0.5)).double()
     return m / m.sum(1, keepdim=True)
 
 
