@@ -451,3 +451,19 @@ def test_official_cifar_c_layout(tmp_path):
     assert imgs.shape == (2, 3, 32, 32) and int(imgs.max()) == 2
     with pytest.raises(BayescliError, match="expected"):
         load_official(tmp_path, "fog", 1, rows, 10)
+
+
+def test_report_schema_records_the_parameter_set():
+    import json
+    from importlib.resources import files
+
+    import jsonschema
+
+    schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
+    sub = schema["properties"]["protocol"]["properties"]["corruption"]
+    base = {"source": "generated (approximation)", "corruptions": ["fog"], "severities": [1]}
+    for value in ("cifar10-c", "imagenet-c", "official"):
+        jsonschema.validate({**base, "parameters": value}, sub)
+    for bad in ({**base, "parameters": "cifar"}, base):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, sub)
