@@ -312,10 +312,11 @@ def test_brightness_matches_hsv_value_shift(params):
     x[0, :, 0, 1] = 0.3  # grey
     for sev, c in enumerate(REFERENCE[params]["brightness"], 1):
         got = corrupt(x, "brightness", sev, _gen())[0].double().numpy()
-        # float32 pipeline against float64 colorsys on values in [0, 1]: ≤ 1e-6 rounding, 10×
+        # float32 pipeline against float64 colorsys: x·(V + c)/V rounds to a few float32 ulps of
+        # values ≤ 1 (≤ 3e-7); 1e-5 allows 30×
         assert_close(got, _hsv_brightness(x[0].numpy(), c), atol=1e-5, what=f"{params} brightness {sev}")
         gray = corrupt(x[:, :1], "brightness", sev, _gen())
-        assert_close(gray, (x[:, :1] + c).clamp(0, 1), atol=1e-6, what=f"{params} grey brightness {sev}")
+        assert_close(gray, (x[:, :1] + c).clamp(0, 1), atol=1e-5, what=f"{params} grey brightness {sev}")
 
 
 @pytest.mark.parametrize("params", ["cifar10-c", "imagenet-c"])
@@ -326,7 +327,8 @@ def test_contrast_scales_deviations_from_the_channel_mean(params):
         means = x.mean(axis=(2, 3), keepdims=True)
         expected = np.clip((x - means) * c + means, 0, 1)
         got = corrupt(torch.from_numpy(x), "contrast", sev, _gen())
-        assert_close(got, expected, atol=1e-6, what=f"{params} contrast {sev}")  # float32 rounding
+        # float32 channel means and products of values ≤ 1: ≤ 1e-7 rounding observed; 1e-5 allows 100×
+        assert_close(got, expected, atol=1e-5, what=f"{params} contrast {sev}")
 
 
 def _pil_box(channel: np.ndarray, size: tuple[int, int]) -> np.ndarray:
