@@ -17,6 +17,7 @@ from bayescli.data import load_data
 from bayescli.data.corruptions import (
     CORRUPTIONS,
     PARAMETERS,
+    _clipped_zoom,
     _gaussian_blur,
     corrupt,
     load_official,
@@ -360,16 +361,27 @@ def _reference_disk(radius: float, alias_blur: float) -> np.ndarray:
     return ndimage.correlate(disk, np.outer(g, g) / np.outer(g, g).sum(), mode="mirror")
 
 
-@pytest.mark.parametrize("params", ["cifar10-c", "imagenet-c"])
-def test_defocus_blur_matches_the_reference_disk_filter(params):
-    size = SIZE[params]
+@pytest.mark.parametrize(("size", "scale"), [(32, 1.0), (20, 1.0), (48, 1.5), (224, 1.0), (112, 0.5)])
+def test_defocus_blur_matches_the_reference_disk_filter(size, scale):
+    # spatial parameters are pixels at 32 px (CIFAR-10-C, never shrunk) or 224 px (ImageNet-C)
+    params = parameter_set(size, size)
     x = _smooth_images(1, 1, size, seed=6)
     for sev, (radius, alias) in enumerate(REFERENCE[params]["defocus_blur"], 1):
-        kernel = _reference_disk(radius, alias)
+        kernel = _reference_disk(radius * scale, alias * scale)
         # cv2.filter2D: correlation with a REFLECT_101 border
         expected = np.clip(ndimage.correlate(x[0, 0].double().numpy(), kernel, mode="mirror"), 0, 1)
         got = corrupt(x, "defocus_blur", sev, _gen())[0, 0]
         assert_close(got, expected, atol=1e-5, what=f"{params} defocus {sev}")  # float32 sums ≤ 441 terms
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_zoom_blur_averages_the_image_and_its_zooms_by_the_reference_factors(size):
+    params = parameter_set(size, size)
+    x = _smooth_images(2, 3, size, seed=11)
+    for sev, factors in enumerate(REFERENCE[params]["zoom_blur"], 1):
+        expected = (x + sum(_clipped_zoom(x, float(f)) for f in factors)) / (len(factors) + 1)
+        # float32 sums of ≤ 27 terms ≤ 1: ≤ 1e-6 rounding
+        assert_close(corrupt(x, "zoom_blur", sev, _gen()), expected, atol=1e-5, what=f"{params} zoom {sev}")
 
 
 @pytest.mark.parametrize(
