@@ -19,7 +19,8 @@ Where the original needs what cannot be shipped or reproduced exactly, this modu
 (``APPROXIMATIONS``): ``frost`` blends a procedural ice texture instead of the six frost photos;
 ``motion_blur``/``snow`` use a one-sided Gaussian-weighted line kernel instead of ImageMagick's;
 ``glass_blur`` replaces the sequential local swaps by a vectorised random local gather;
-``zoom_blur``/``snow`` zoom with bilinear grid sampling instead of ``scipy.ndimage.zoom``.
+``zoom_blur``/``snow`` zoom with bilinear grid sampling instead of ``scipy.ndimage.zoom``;
+``elastic_transform`` resamples once for the affine warp and the displacement field together.
 As in the original, ``elastic_transform``'s severities trade a large random affine warp
 (severity 1) for local elastic distortion (severity 5), so its pixel change does not grow.
 
@@ -53,6 +54,8 @@ APPROXIMATIONS = {
     "bilinear zoom instead of scipy.ndimage.zoom",
     "glass_blur": "vectorised random local gather instead of sequential pixel swaps",
     "zoom_blur": "bilinear zoom (torch grid sampling) instead of scipy.ndimage.zoom",
+    "elastic_transform": "affine warp and elastic displacement in one bilinear resampling "
+    "(reflection border) instead of cv2.warpAffine followed by map_coordinates",
 }
 
 IMAGENET_MIN_SIZE = 64  # images with min(H, W) ≥ this get the ImageNet-C parameters
