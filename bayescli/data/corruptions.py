@@ -21,7 +21,8 @@ Where the original needs what cannot be shipped or reproduced exactly, this modu
 ``glass_blur`` replaces the sequential local swaps by a vectorised random local gather;
 ``zoom_blur``/``snow`` zoom with bilinear grid sampling instead of ``scipy.ndimage.zoom``;
 ``elastic_transform`` resamples once for the affine warp and the displacement field together.
-As in the original, ``elastic_transform``'s severities trade a large random affine warp
+Outputs stay floating point (the reference saves uint8 images). As in the original,
+``elastic_transform``'s severities trade a large random affine warp
 (severity 1) for local elastic distortion (severity 5), so its pixel change does not grow.
 
 ``load_official`` reads pre-computed sets: CIFAR-10-C / CIFAR-100-C (``ROOT/NAME.npy``,
