@@ -16,7 +16,7 @@ import torch
 
 from bayescli._version import __version__
 from bayescli.data import ArrayData, load_data
-from bayescli.data.corruptions import APPROXIMATIONS, corrupt, load_official
+from bayescli.data.corruptions import APPROXIMATIONS, corrupt, load_official, parameter_set
 from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
 from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import fgsm
@@ -184,6 +184,7 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
             else "generated (approximation)",
             "corruptions": cfg.corruptions,
             "severities": cfg.severities,
+            "parameters": "official" if official else parameter_set(*x.shape[-2:]),
             "substitutes": {}
             if official
             else {k: v for k, v in APPROXIMATIONS.items() if k in cfg.corruptions},
