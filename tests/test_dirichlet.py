@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import eq7
+from tolerance import assert_close
 
 from bayescli.errors import BayescliError
 from bayescli.predictive import dirichlet
@@ -122,3 +123,20 @@ def test_dirichlet_utilities_against_sampling():
     assert dirichlet.mutual_information(alpha).item() >= 0
     with pytest.raises(BayescliError):
         dirichlet.aggregate(alpha, [[0, 1], [1, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    "alpha", [[3.0, 1.5, 0.7, 5.0], [0.3, 0.3, 0.3], [40.0, 2.0, 1.0, 1.0, 1.0], [200.0, 150.0]]
+)
+def test_mutual_information_against_sampling(alpha):
+    """MI = H[E π] − E H[π]: the second term by 10⁵ NumPy Dirichlet draws, 6 standard errors."""
+    a = np.array(alpha)
+    draws = np.random.default_rng(0).dirichlet(a, size=100_000)
+    ent = -(draws * np.log(np.clip(draws, 1e-300, None))).sum(1)
+    mean = a / a.sum()
+    mi_mc = -(mean * np.log(mean)).sum() - ent.mean()
+    se = ent.std() / np.sqrt(len(ent))
+    ours = dirichlet.mutual_information(torch.tensor([alpha], dtype=torch.float64))[0]
+    assert_close(ours, mi_mc, atol=6 * se, what="mutual information vs MC (6 SE)")
+    expected_entropy = dirichlet.expected_entropy(torch.tensor([alpha], dtype=torch.float64))[0]
+    assert_close(expected_entropy, ent.mean(), atol=6 * se, what="expected entropy vs MC (6 SE)")

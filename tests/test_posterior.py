@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
 from conftest import random_head
-from oracles import autograd_jacobian, explicit_jacobian_head
+from oracles import autograd_jacobian, explicit_ggn, explicit_jacobian_head
+from tolerance import assert_close
 
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior.gaussian import DiagGaussian, FullGaussian, KronGaussian, augment
@@ -132,3 +135,74 @@ def test_gaussian_constructors_check_shapes():
     with pytest.raises(ValueError):
         DiagGaussian(torch.zeros(3), torch.zeros(4))
     FullGaussian(torch.zeros(3), torch.eye(3))
+
+
+def dense_curvature(phi: torch.Tensor, head: torch.nn.Linear, structure: str) -> torch.Tensor:
+    """``H [P, P]`` of each structure from the explicit last-layer GGN ``Σ_n Jₙᵀ Λₙ Jₙ``."""
+    phi_aug = augment(phi)
+    probs = head(phi).softmax(-1).detach()
+    ggn = explicit_ggn(explicit_jacobian_head(phi_aug, K), probs)
+    if structure == "full":
+        return ggn
+    if structure == "diag":
+        return torch.diag(ggn.diagonal())
+    lam = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
+    return torch.kron(lam.sum(0), phi_aug.T @ phi_aug / len(phi))  # KFLR: G summed, A averaged
+
+
+def dense_log_marglik(phi, labels, head, hessian: torch.Tensor, delta: float) -> float:
+    """``log p(D|θ*) − ½δ‖θ*‖² + (P/2) log δ − ½ log det(H + δI)`` with dense linear algebra
+    (the ``(P/2) log 2π`` of the prior normaliser cancels the Laplace integral's)."""
+    theta = torch.cat([head.weight, head.bias[:, None]], 1).detach().reshape(-1)
+    log_lik = torch.log_softmax(head(phi), -1).gather(1, labels[:, None]).sum().item()
+    p = theta.numel()
+    _, logdet = torch.linalg.slogdet(hessian + delta * torch.eye(p, dtype=hessian.dtype))
+    return log_lik - 0.5 * delta * theta.dot(theta).item() + 0.5 * p * math.log(delta) - 0.5 * logdet.item()
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_log_marglik_equals_dense_oracle_at_several_deltas(fitted, structure):
+    phi, head, labels = fitted
+    post = LaplacePosterior.fit_last_layer(phi, labels, head, structure)
+    hessian = dense_curvature(phi, head, structure)
+    norm = torch.linalg.matrix_norm(hessian, 2).item()
+    p = hessian.shape[0]
+    for delta in (1e-3, 0.1, 3.0, 50.0, 1e3):
+        expected = dense_log_marglik(phi, labels, head, hessian, delta)
+        # log det of a P×P SPD matrix: absolute error ≲ P·eps·κ(H + δI); the other terms are
+        # float64 sums over N = 200 inputs (error ≲ N·eps·|value|); 100× both.
+        atol = 100 * p * 2.2e-16 * (norm / delta + 1) + 100 * N * 2.2e-16 * abs(expected)
+        got = post.log_marglik(delta)
+        assert_close(got, expected, atol=atol, what=f"log marglik vs dense oracle, delta={delta:g}")
+    # the optimiser's δ maximises the dense oracle too: compare with its neighbours on a grid
+    best = post.optimise_prior_marglik()
+    at_best = dense_log_marglik(phi, labels, head, hessian, best)
+    for factor in (0.9, 1.1):
+        assert at_best >= dense_log_marglik(phi, labels, head, hessian, best * factor)
+
+
+def test_val_nll_picks_the_grid_value_with_lowest_dense_oracle_nll(fitted):
+    from bayescli.features import Features
+    from bayescli.predictive.tuning import tune_prior_val_nll
+
+    phi, head, labels = fitted
+    post = LaplacePosterior.fit_last_layer(phi, labels, head, "full")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(150, D, generator=gen, dtype=torch.float64)
+    logits = head(x).detach()
+    # labels drawn from a softer model than the MAP: the MAP is overconfident, so the best δ is
+    # neither the smallest nor the largest on the grid
+    y = torch.multinomial((logits / 4).softmax(-1), 1, generator=gen).squeeze(1)
+    grid = [float(v) for v in torch.logspace(-3, 3, 13)]
+    jac = explicit_jacobian_head(augment(x), K)
+    hessian = dense_curvature(phi, head, "full")
+    curve = []
+    for delta in grid:
+        cov = jac @ torch.linalg.inv(hessian + delta * torch.eye(K * (D + 1), dtype=torch.float64)) @ jac.mT
+        var = cov.diagonal(dim1=1, dim2=2)
+        probs = torch.softmax(logits / torch.sqrt(1 + math.pi * var / 8), -1)
+        curve.append(-probs.gather(1, y[:, None]).log().mean().item())
+    best = grid[min(range(len(grid)), key=curve.__getitem__)]
+    assert grid[0] < best < grid[-1]
+    chosen = tune_prior_val_nll(post, Features(x, logits, y), "glm", "probit", grid)
+    assert chosen == best and post.prior_precision == best
