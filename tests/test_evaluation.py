@@ -3,8 +3,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import average_precision_score, roc_auc_score
-from tolerance import assert_close
+from tolerance import assert_below, assert_close
 
 from bayescli.data import ArrayData, load_data
 from bayescli.data.corruptions import CORRUPTIONS, corrupt, load_official, parse_severities
@@ -19,12 +18,13 @@ from bayescli.models import load_classifier
 
 def test_ece_on_constructed_example():
     # two bins used: conf 0.95 (4 inputs, 3 right) and conf 0.55 (2 inputs, 2 right)
-    probs = torch.tensor([[0.95, 0.05]] * 4 + [[0.55, 0.45]] * 2)
+    probs = torch.tensor([[0.95, 0.05]] * 4 + [[0.55, 0.45]] * 2, dtype=torch.float64)
     y = torch.tensor([0, 0, 0, 1, 0, 0])
     expected = 4 / 6 * abs(0.75 - 0.95) + 2 / 6 * abs(1.0 - 0.55)
-    assert ece(probs, y) == pytest.approx(expected)
+    # float64 sums of six terms: rounding ≈ 1e-16
+    assert_close(ece(probs, y), expected, rtol=1e-12, what="ece, constructed example")
     rel = reliability(probs, y)
-    assert sum(rel["count"]) == 6 and rel["accuracy"][14] == pytest.approx(0.75)
+    assert sum(rel["count"]) == 6 and rel["accuracy"][14] == 3 / 4
 
 
 def test_ece_bins_are_right_closed_with_one_in_last_bin():
@@ -33,18 +33,11 @@ def test_ece_bins_are_right_closed_with_one_in_last_bin():
     assert rel["count"] == [0.0, 1.0, 1.0, 1.0]  # 0.5 ∈ (0.25, 0.5], 0.75 ∈ (0.5, 0.75], 1 ∈ last
 
 
-def test_ood_metrics_against_sklearn_and_known_fpr95():
-    gen = torch.Generator().manual_seed(0)
-    s_in, s_out = torch.randn(500, generator=gen) + 2, torch.randn(400, generator=gen)
-    m = ood_metrics(s_in, s_out)
-    lab = np.r_[np.ones(500), np.zeros(400)]
-    s = np.r_[s_in.numpy(), s_out.numpy()]
-    assert m["auroc"] == pytest.approx(roc_auc_score(lab, s))
-    assert m["aupr_in"] == pytest.approx(average_precision_score(lab, s))
-    assert m["aupr_out"] == pytest.approx(average_precision_score(1 - lab, -s))
-    # hand-made ROC: in = 1..20, out = 0.5, 1.5, …: the 95% TPR threshold (19 of 20 in) is 2
+def test_ood_fpr95_on_known_roc():
+    # hand-made ROC: in = 1..20, out = 0.5, 1.5, …: the 95% TPR threshold (19 of 20 in) is 2.
+    # AUROC/AUPR against pair counting: tests/test_metrics.py
     known_in, known_out = torch.arange(1.0, 21.0), torch.tensor([0.5, 1.5, 2.5, 3.5])
-    assert ood_metrics(known_in, known_out)["fpr95"] == pytest.approx(2 / 4)
+    assert ood_metrics(known_in, known_out)["fpr95"] == 2 / 4
 
 
 def test_selective_prediction_and_aurc():
@@ -52,13 +45,15 @@ def test_selective_prediction_and_aurc():
     y = torch.tensor([0, 1, 0, 1])  # right, wrong, right, wrong by confidence
     out = selective(probs, y, (0.5, 1.0))
     assert out["accuracy_at_50"] == 0.5 and out["accuracy_at_100"] == 0.5
-    assert out["aurc"] == pytest.approx(np.mean([0, 0.5, 1 / 3, 0.5]))
+    assert_close(out["aurc"], np.mean([0, 0.5, 1 / 3, 0.5]), rtol=1e-12, what="aurc")  # float64, 4 terms
 
 
 def test_rotation_by_0_and_360_is_identity_and_90_is_rot90():
     x = torch.rand(3, 1, 9, 9)
     assert torch.equal(rotate(x, 0), x) and torch.equal(rotate(x, 360), x)
-    assert torch.allclose(rotate(x, 90), torch.rot90(x, 1, (2, 3)), atol=1e-5)
+    # bilinear sampling exactly on pixel centres: only float32 rounding of the sampling grid
+    # (≲ 1e-6 px on 9 px) times pixel differences ≤ 1 remains
+    assert_close(rotate(x, 90), torch.rot90(x, 1, (2, 3)), atol=1e-5, what="rotation by 90°")
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)])
@@ -122,8 +117,11 @@ def test_fgsm_identity_at_zero_and_raises_loss(digits_ckpt):
         base = loss(clf(x), y).item()
         attacked = fgsm(clf, x, y, 8 / 255)
         assert loss(clf(attacked), y).item() > base
-        assert (attacked - x).abs().max() <= 8 / 255 + 1e-6 and attacked.min() >= 0 and attacked.max() <= 1
-    assert parse_epsilons("0,2/255,0.5")[1] == ("2/255", pytest.approx(2 / 255))
+        # float32 x + ε then x' − x: two roundings of values ≤ 1, ≤ 1.2e-7
+        overshoot = ((attacked - x).abs() - 8 / 255).clamp_min(0)
+        assert_below(overshoot, 1e-6, what="FGSM stays within the epsilon ball")
+        assert attacked.min() >= 0 and attacked.max() <= 1
+    assert parse_epsilons("0,2/255,0.5")[1] == ("2/255", 2 / 255)
     with pytest.raises(BayescliError):
         parse_epsilons("3/0")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import random_head
 from oracles import autograd_jacobian, explicit_ggn, explicit_jacobian_head
-from tolerance import assert_close
+from tolerance import assert_below, assert_close
 
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior.gaussian import DiagGaussian, FullGaussian, KronGaussian, augment
@@ -37,6 +37,11 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+# float64 with κ(H + δI) ≲ 1e4 for δ ≥ 0.7 on these heads: inverses and pushforwards lose
+# ≲ κ·eps ≈ 2e-12 relative; 1e-8 leaves a margin above 1000×
+F64_SOLVE = 1e-8
+
+
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])
 def test_glm_logit_gaussian_equals_brute_force_jacobian(fitted, structure):
     phi, head, labels = fitted
@@ -46,11 +51,12 @@ def test_glm_logit_gaussian_equals_brute_force_jacobian(fitted, structure):
     lg = post.logit_gaussian(x)
     jac = explicit_jacobian_head(augment(x), K)
     cov = jac @ explicit_cov(post) @ jac.transpose(1, 2)
-    assert rel(lg.covariance(), cov) < 1e-5
-    assert rel(lg.var, cov.diagonal(dim1=1, dim2=2)) < 1e-5
-    assert torch.allclose(lg.mean, head(x), atol=1e-10)
+    assert_below(rel(lg.covariance(), cov), F64_SOLVE, what=f"logit covariance ({structure})")
+    assert_below(rel(lg.var, cov.diagonal(dim1=1, dim2=2)), F64_SOLVE, what=f"logit variances ({structure})")
+    assert_close(lg.mean, head(x), atol=1e-10, what=f"logit mean ({structure})")  # float64, |logit| ≲ 10
     v = torch.randn(30, K, dtype=torch.float64)
-    assert rel(lg.cov_matvec(v), torch.einsum("nkl,nl->nk", cov, v)) < 1e-5
+    matvec = torch.einsum("nkl,nl->nk", cov, v)
+    assert_below(rel(lg.cov_matvec(v), matvec), F64_SOLVE, what=f"covariance matvec ({structure})")
 
 
 def test_kron_pushforward_never_needs_dense_covariance(fitted):
@@ -79,7 +85,7 @@ def test_all_layer_glm_equals_explicit_jacobian(structure):
         if structure == "diag"
         else torch.linalg.inv(g.H + 2.0 * torch.eye(g.H.shape[0], dtype=torch.float64))
     )
-    assert rel(lg.covariance(), jac @ sigma @ jac.transpose(1, 2)) < 1e-6
+    assert_below(rel(lg.covariance(), jac @ sigma @ jac.mT), F64_SOLVE, what=f"all-layer GLM ({structure})")
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])
@@ -90,8 +96,12 @@ def test_weight_samples_have_the_posterior_covariance(fitted, structure):
     draws = post.gaussian.sample(40_000, torch.Generator().manual_seed(0))
     cov = explicit_cov(post)
     emp = torch.cov(draws.T)
-    assert (emp - cov).abs().max() < 0.05 * cov.diagonal().max()
-    assert (draws.mean(0) - post.gaussian.mean.reshape(-1)).abs().max() < 0.05 * cov.diagonal().max().sqrt()
+    # 40,000 seeded draws: an empirical covariance entry has SE ≤ √(2/40,000)·max Σ_ii = 0.007·max Σ_ii
+    # and a mean entry SE ≤ 0.005·√max Σ_ii, so 0.05 is ≥ 7 SE (the max over 576 entries)
+    scale = cov.diagonal().max().item()
+    assert_close(emp, cov, atol=0.05 * scale, what=f"sample covariance ({structure})")
+    mean = post.gaussian.mean.reshape(-1)
+    assert_close(draws.mean(0), mean, atol=0.05 * scale**0.5, what=f"sample mean ({structure})")
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])
@@ -99,11 +109,16 @@ def test_marglik_auto_finds_grid_maximiser(fitted, structure):
     phi, head, labels = fitted
     post = LaplacePosterior.fit_last_layer(phi, labels, head, structure)
     delta = post.optimise_prior_marglik()
-    grid = torch.logspace(-4, 4, 20001, dtype=torch.float64)
+    grid = torch.logspace(-4, 4, 200_001, dtype=torch.float64)
     values = log_marglik(post.gaussian, post.log_likelihood, grid)
     best = grid[values.argmax()].item()
-    assert delta == pytest.approx(best, rel=2e-3)
-    assert post.log_marglik() >= values.max().item() - 1e-6
+    # the grid locates the maximiser within half a step (10^(4e-5) − 1 ≈ 9.2e-5 relative), the
+    # optimiser within xatol = 1e-6 decades (2.3e-6): 2e-3 is ≥ 20× their sum
+    assert_close(delta, best, rtol=2e-3, what=f"marglik argmax ({structure})")
+    # the optimum is at least the grid's best up to float64 rounding of values of order 1e2
+    assert_below(
+        max(values.max().item() - post.log_marglik(), 0.0), 1e-6, what=f"marglik value ({structure})"
+    )
     assert post.meta["prior"]["method"] == "marglik" and len(post.meta["prior"]["curve"]) > 10
 
 
@@ -112,9 +127,9 @@ def test_log_det_matches_dense_determinant(fitted):
     for structure in ("diag", "kron", "full"):
         post = LaplacePosterior.fit_last_layer(phi, labels, head, structure)
         dense = torch.linalg.inv(explicit_cov(post))  # prior precision 1 after fitting
-        assert post.gaussian.log_det_precision(1.0).item() == pytest.approx(
-            torch.logdet(dense).item(), rel=1e-8
-        )
+        # dense.inv().logdet() loses ≲ κ·eps with κ(H + I) ≲ 1e4 here: 1e-8 relative is ≥ 1000×
+        ours = post.gaussian.log_det_precision(1.0)
+        assert_close(ours, torch.logdet(dense), rtol=1e-8, what=f"log det ({structure})")
 
 
 def test_save_load_reproduces_predictions_exactly(fitted, tmp_path):
