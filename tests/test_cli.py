@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tolerance import assert_close
 
 from bayescli.io import load_tensors, save_tensors
 from bayescli.posterior import LaplacePosterior
@@ -91,7 +92,8 @@ def test_predict_mc_save_logits_on_unlabelled_npz(cli, digits_posterior, tmp_pat
     tensors = load_file(str(out))
     assert tensors["probs"].shape == (20, 10) and tensors["logit_cov"].shape == (20, 10, 10)
     assert "labels" not in tensors
-    assert torch.allclose(tensors["probs"].sum(-1), torch.ones(20, dtype=tensors["probs"].dtype), atol=1e-5)
+    # a float32 sum of 10 probabilities is within 10·6e-8 of 1; 1e-5 leaves a margin above 10×
+    assert_close(tensors["probs"].sum(-1), 1.0, atol=1e-5, what="probabilities sum to one")
 
 
 def test_predict_bridge_and_topk(cli, digits_posterior, tmp_path):
@@ -112,7 +114,9 @@ def test_predict_bridge_and_topk(cli, digits_posterior, tmp_path):
     )
     t = load_file(str(out))
     assert t["alpha"].shape == (359, 10)
-    assert torch.allclose(t["dirichlet_mean"], t["alpha"] / t["alpha"].sum(-1, keepdim=True))
+    # stored as float32: one rounding each side (6e-8 relative); 1e-5 leaves a margin above 10×
+    mean = t["alpha"] / t["alpha"].sum(-1, keepdim=True)
+    assert_close(t["dirichlet_mean"], mean, rtol=1e-5, atol=1e-8, what="dirichlet mean = α/α₀")
     for key in ("alpha0", "dirichlet_variance", "entropy_of_mean", "expected_entropy", "mutual_information"):
         assert key in t
     _, meta = load_tensors(out)
@@ -134,7 +138,8 @@ def test_predict_bridge_and_topk(cli, digits_posterior, tmp_path):
     )
     assert res.code == 0
     report = json.loads(topk.read_text())
-    assert report["summary"]["set_accuracy"] >= report["summary"]["top1_accuracy"]
+    direct = np.mean([s["label"] in s["classes"] for s in report["sets"]])
+    assert report["summary"]["set_accuracy"] == direct  # the same mean of 0/1 values
     assert sum(report["summary"]["k_histogram"].values()) == 359
     assert report["sets"][0]["names"] and report["sets"][0]["k"] == len(report["sets"][0]["classes"])
 

@@ -1,3 +1,4 @@
+import math
 import pickle
 
 import numpy as np
@@ -13,7 +14,7 @@ def test_digits_splits_are_disjoint_deterministic_and_complete():
     parts = {s: load_data(f"digits:{s}") for s in ("train", "val", "test")}
     sizes = {s: len(d) for s, d in parts.items()}
     assert sum(sizes.values()) == 1797
-    assert sizes["test"] == pytest.approx(0.2 * 1797, abs=1)
+    assert sizes["test"] in (math.floor(0.2 * 1797), math.ceil(0.2 * 1797))
     again = load_data("digits:test")
     assert torch.equal(again.x, parts["test"].x)
     assert parts["test"].info["split_seed"] == 0

@@ -57,3 +57,17 @@ def test_summary_counts():
     assert summary["mean_k"] == 1.5 and summary["set_accuracy"] == 1.0 and summary["top1_accuracy"] == 0.5
     assert summary["k_histogram"] == {"1": 1, "2": 1, "3": 0}
     assert summary["fixed_topk_accuracy"] == {"1": 0.5, "2": 1.0, "3": 1.0}
+
+
+def test_set_accuracy_is_label_in_set_not_top1_or_fixed_k():
+    # row 1: top-1 right; rows 2–3: top-1 wrong, label in the set (row 3 at the set's third
+    # place); row 4: label outside both the set and the top-2. Each accuracy differs.
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.2, 0.5], [0.45, 0.5, 0.05]])
+    sets = [torch.tensor([0]), torch.tensor([1, 2]), torch.tensor([2, 0, 1]), torch.tensor([1])]
+    labels = torch.tensor([0, 2, 1, 2])
+    direct = np.mean([int(labels[i]) in s.tolist() for i, s in enumerate(sets)])
+    summary = topk_summary(sets, probs, labels, max_k=3)
+    assert direct == 0.75 and summary["set_accuracy"] == direct
+    assert summary["top1_accuracy"] == 0.25
+    assert summary["fixed_topk_accuracy"] == {"1": 0.25, "2": 0.5, "3": 1.0}
+    assert summary["mean_k"] == 1.75 and summary["k_histogram"] == {"1": 2, "2": 1, "3": 1}

@@ -1,0 +1,105 @@
+"""Metric values against hand-computed numbers and direct NumPy transcriptions of DESIGN §4.
+
+Tolerances: the metrics are float64 sums of at most a few thousand terms, so the rounding
+error is ≤ N·eps ≈ 1e-13 relative; 1e-10 leaves a margin above 1000×.
+"""
+
+import math
+
+import numpy as np
+import torch
+from tolerance import assert_close
+
+from bayescli.metrics import accuracy, brier, classification_summary, ece, entropy, mmc, nll, ood_metrics
+
+F64 = 1e-10  # float64 rounding over ≤ 1e3 terms is ≤ 1e-13; see the module docstring
+
+# A tiny table: four inputs, three classes; argmax classes 0, 1, 2, 1; labels 0, 2, 2, 0.
+TABLE = torch.tensor(
+    [[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.25, 0.25, 0.5], [0.3, 0.4, 0.3]], dtype=torch.float64
+)
+LABELS = torch.tensor([0, 2, 2, 0])
+
+
+def test_metrics_on_hand_computed_table():
+    assert_close(accuracy(TABLE, LABELS), 2 / 4, atol=F64, what="accuracy")
+    expected_nll = -(math.log(0.7) + math.log(0.3) + math.log(0.5) + math.log(0.3)) / 4
+    assert_close(nll(TABLE, LABELS), expected_nll, rtol=F64, what="nll")
+    # (0.3² + 0.2² + 0.1²), (0.1² + 0.6² + 0.7²), (0.25² + 0.25² + 0.5²), (0.7² + 0.4² + 0.3²)
+    expected_brier = (0.14 + 0.86 + 0.375 + 0.74) / 4
+    assert_close(brier(TABLE, LABELS), expected_brier, rtol=F64, what="brier (sum over classes)")
+    assert_close(mmc(TABLE), (0.7 + 0.6 + 0.5 + 0.4) / 4, rtol=F64, what="mmc")
+    h = [-sum(p * math.log(p) for p in row) for row in TABLE.tolist()]
+    assert_close(entropy(TABLE), h, rtol=F64, what="entropy per input")
+    # each confidence (0.7, 0.6, 0.5, 0.4) falls into its own of the 15 bins
+    expected_ece = (abs(1 - 0.7) + abs(0 - 0.6) + abs(1 - 0.5) + abs(0 - 0.4)) / 4
+    assert_close(ece(TABLE, LABELS), expected_ece, rtol=F64, what="ece")
+    summary = classification_summary(TABLE, LABELS)
+    expected = {"accuracy": 0.5, "nll": expected_nll, "brier": expected_brier, "ece": expected_ece}
+    expected |= {"mmc": 0.55, "entropy": float(np.mean(h))}
+    assert set(summary) == set(expected)
+    for key, value in expected.items():
+        assert_close(summary[key], value, rtol=F64, atol=F64, what=f"summary {key}")
+
+
+def _ece_oracle(p: np.ndarray, y: np.ndarray, bins: int) -> float:
+    """Loop over right-closed bins ``(b/B, (b+1)/B]`` (bin 0 also holds confidence 0)."""
+    conf, pred = p.max(1), p.argmax(1)
+    total = 0.0
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = (conf > lo) & (conf <= hi) if b else (conf <= hi)
+        if inside.any():
+            total += inside.sum() / len(y) * abs((pred[inside] == y[inside]).mean() - conf[inside].mean())
+    return total
+
+
+def test_metrics_against_numpy_transcription():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(7, 0.6), size=500)
+    y = rng.integers(0, 7, size=500)
+    probs, labels = torch.from_numpy(p), torch.from_numpy(y)
+    onehot = np.eye(7)[y]
+    assert_close(accuracy(probs, labels), np.mean(p.argmax(1) == y), atol=F64, what="accuracy")
+    assert_close(nll(probs, labels), -np.mean(np.log(p[np.arange(500), y])), rtol=F64, what="nll")
+    assert_close(brier(probs, labels), np.mean(((p - onehot) ** 2).sum(1)), rtol=F64, what="brier")
+    assert_close(mmc(probs), p.max(1).mean(), rtol=F64, what="mmc")
+    assert_close(entropy(probs), -(p * np.log(p)).sum(1), rtol=F64, atol=F64, what="entropy")
+    assert_close(ece(probs, labels), _ece_oracle(p, y, 15), rtol=F64, what="ece")
+
+
+def _auroc_pairs(s_in: np.ndarray, s_out: np.ndarray) -> float:
+    """Mann–Whitney: P(s_in > s_out) + ½ P(s_in = s_out) over all pairs."""
+    diff = s_in[:, None] - s_out[None, :]
+    return float(((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size)
+
+
+def _average_precision(pos: np.ndarray, neg: np.ndarray) -> float:
+    """Mean over positives of the precision at that positive's rank (scores without ties)."""
+    scores = np.r_[pos, neg]
+    is_pos = np.r_[np.ones(len(pos)), np.zeros(len(neg))][np.argsort(-scores)]
+    precision_at = np.cumsum(is_pos) / np.arange(1, len(scores) + 1)
+    return float(precision_at[is_pos == 1].mean())
+
+
+def test_ood_metrics_against_pair_counting():
+    rng = np.random.default_rng(1)
+    s_in, s_out = rng.normal(1.0, 1.0, 300), rng.normal(0.0, 1.5, 200)
+    m = ood_metrics(torch.from_numpy(s_in), torch.from_numpy(s_out))
+    assert_close(m["auroc"], _auroc_pairs(s_in, s_out), atol=F64, what="auroc vs Mann-Whitney")
+    assert_close(m["aupr_in"], _average_precision(s_in, s_out), atol=F64, what="aupr-in vs ranks")
+    assert_close(m["aupr_out"], _average_precision(-s_out, -s_in), atol=F64, what="aupr-out vs ranks")
+    # FPR at the threshold that keeps ⌈0.95·300⌉ = 285 in-distribution scores
+    threshold = np.sort(s_in)[::-1][284]
+    assert_close(m["fpr95"], np.mean(s_out >= threshold), atol=F64, what="fpr95 vs threshold count")
+    # ties between the two sets count one half each
+    tied_in, tied_out = np.round(s_in), np.round(s_out)
+    tied = ood_metrics(torch.from_numpy(tied_in), torch.from_numpy(tied_out))["auroc"]
+    assert_close(tied, _auroc_pairs(tied_in, tied_out), atol=F64, what="auroc with ties")
+
+
+def test_ood_orientation_in_distribution_is_positive():
+    m = ood_metrics(torch.tensor([3.0, 4.0, 5.0]), torch.tensor([0.0, 1.0, 3.5]))
+    assert_close(m["auroc"], 8 / 9, atol=F64, what="auroc, 8 of 9 pairs ordered")
+    flipped = ood_metrics(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 3.0]))["auroc"]
+    assert_close(flipped, 0.0, atol=F64, what="auroc, every pair reversed")
