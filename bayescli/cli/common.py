@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import ArrayData
-    from bayescli.posterior.laplace import LaplacePosterior
+    from bayescli.posterior.base import Posterior
     from bayescli.preprocess import Preprocess
 
 # Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
@@ -103,9 +103,9 @@ def prepare_prediction(
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once."""
     from bayescli.features import extract_features
-    from bayescli.posterior.laplace import LaplacePosterior
+    from bayescli.posterior.base import load_posterior
 
-    post = LaplacePosterior.load(posterior)
+    post = load_posterior(posterior)
     model = post.load_model(checkpoint)
     test = load(data, root, download, limit, seed, model.preprocess)
     check_labels(test, model.classifier.num_classes)
@@ -114,16 +114,13 @@ def prepare_prediction(
     return post, model, test, feats
 
 
-def posterior_summary(post: LaplacePosterior) -> dict:
+def posterior_summary(post: Posterior) -> dict:
     """The posterior facts every report repeats."""
     keys = ("model", "checkpoint", "checkpoint_sha256", "data", "num_classes")
     return {
+        "method": post.method,
         "subset": post.subset.value,
-        "hessian": post.structure,
-        "curvature": post.curvature.value,
-        "prior_precision": post.prior_precision,
-        "prior_method": post.meta.get("prior", {}).get("method"),
-        "n_data": post.n_data,
+        **post.summary(),
         **{k: post.meta.get(k) for k in keys},
     }
 

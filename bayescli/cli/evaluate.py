@@ -66,7 +66,7 @@ def evaluate_cmd(
     from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.runner import EvalConfig, run_evaluation
     from bayescli.io import write_json
-    from bayescli.posterior.laplace import LaplacePosterior
+    from bayescli.posterior.base import load_posterior
     from bayescli.report import write_report
 
     c.setup(quiet, as_json, seed)
@@ -89,7 +89,7 @@ def evaluate_cmd(
         download=download,
         device=c.resolve_device(device),
     )
-    post = LaplacePosterior.load(posterior)
+    post = load_posterior(posterior)
     model = post.load_model(checkpoint)
     test = c.load(data, data_root, download, limit, seed, model.preprocess)
     c.check_labels(test, model.classifier.num_classes)

@@ -21,7 +21,7 @@ from bayescli.features import Features
 from bayescli.metrics import entropy
 from bayescli.models import Classifier
 from bayescli.options import Link, Predictive
-from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.posterior.base import Posterior
 from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.glm import predict
@@ -65,7 +65,7 @@ class MethodOutput:
 
 def run_method(
     method: Method,
-    posterior: LaplacePosterior,
+    posterior: Posterior,
     feats: Features,
     classifier: Classifier,
     data: ArrayData,

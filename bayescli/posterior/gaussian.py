@@ -53,6 +53,11 @@ class LogitGaussian:
     * ``cov [N,K,K]`` (``kind == "full"``).
 
     ``var [N,K]`` (the diagonal) is always present.
+
+    ``alpha [N,K]``, when set, is a Dirichlet the posterior produces natively (Dirichlet fVI);
+    ``(mean, Σ)`` is then its Laplace-bridge image and the bridge link returns ``alpha`` itself.
+    ``exact`` says whether the method's predictive over logits *is* this Gaussian (last-layer
+    Laplace/VI) or a moment approximation of it (deep MNVI, Dirichlet fVI) — VI-SPEC §0.
     """
 
     mean: torch.Tensor
@@ -60,6 +65,8 @@ class LogitGaussian:
     cov: torch.Tensor | None = None
     basis: torch.Tensor | None = None
     spectrum: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
+    exact: bool = True
 
     @property
     def kind(self) -> str:
@@ -115,6 +122,8 @@ class LogitGaussian:
             None if self.cov is None else self.cov[sl],
             self.basis,
             None if self.spectrum is None else self.spectrum[sl],
+            None if self.alpha is None else self.alpha[sl],
+            self.exact,
         )
 
     @staticmethod
@@ -127,7 +136,9 @@ class LogitGaussian:
                 return None
             return torch.cat([getattr(p, name) for p in parts])
 
-        return LogitGaussian(cat("mean"), cat("var"), cat("cov"), first.basis, cat("spectrum"))
+        return LogitGaussian(
+            cat("mean"), cat("var"), cat("cov"), first.basis, cat("spectrum"), cat("alpha"), first.exact
+        )
 
 
 def augment(phi: torch.Tensor) -> torch.Tensor:

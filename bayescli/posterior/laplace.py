@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from bayescli._version import __version__
 from bayescli.errors import BayescliError
-from bayescli.io import load_tensors, save_tensors
-from bayescli.models import Classifier, LoadedModel, load_classifier
+from bayescli.models import Classifier
 from bayescli.options import Subset
+from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import (
     Backend,
     Curvature,
@@ -43,10 +43,6 @@ from bayescli.posterior.gaussian import (
 )
 from bayescli.posterior.prior import edge_warning, log_marglik, optimise_marglik
 from bayescli.posterior.refine import refine_mode
-from bayescli.preprocess import Preprocess
-
-FORMAT = "bayescli-posterior"
-FORMAT_VERSION = 1
 
 
 def head_parameters(head: nn.Linear) -> torch.Tensor:
@@ -64,7 +60,7 @@ def _gaussian(curv: Curvature, mean: torch.Tensor, delta: float) -> WeightGaussi
 
 
 @dataclass
-class LaplacePosterior:
+class LaplacePosterior(Posterior):
     """A fitted Laplace approximation plus what it was fitted on.
 
     ``gaussian`` holds ``θ*``, the curvature and ``δ``; ``meta`` the provenance written to the
@@ -78,6 +74,21 @@ class LaplacePosterior:
     n_data: int
     log_likelihood: float | None
     meta: dict = field(default_factory=dict)
+
+    method: ClassVar[str] = "laplace"
+
+    @property
+    def label(self) -> str:
+        return f"laplace {self.subset.value} {self.structure}"
+
+    def summary(self) -> dict:
+        return {
+            "hessian": self.structure,
+            "curvature": self.curvature.value,
+            "prior_precision": self.prior_precision,
+            "prior_method": self.meta.get("prior", {}).get("method"),
+            "n_data": self.n_data,
+        }
 
     @property
     def structure(self) -> str:
@@ -216,74 +227,32 @@ class LaplacePosterior:
                 out.append(functional_call(classifier.net, params, (xn,)))
         return torch.stack(out)
 
-    def load_model(self, checkpoint: str | Path | None = None) -> LoadedModel:
-        """Re-create the network the posterior was fitted on, verifying the checkpoint's hash.
-
-        ``checkpoint`` overrides the recorded path (the hash must still match).
-        """
-        for key in ("model", "checkpoint", "checkpoint_sha256"):
-            if key not in self.meta:
-                raise BayescliError(f"the posterior file lacks '{key}'; refit it with fit-laplace")
-        model = load_classifier(
-            self.meta["model"],
-            checkpoint or self.meta["checkpoint"],
-            self.meta.get("head"),
-            self.meta["checkpoint_sha256"],
-            self.meta.get("checkpoint_key"),
-            Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
-        )
-        if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
-            raise BayescliError(
-                f"the posterior has {self.meta['num_classes']} classes but the model has "
-                f"{model.classifier.num_classes}; use the matching checkpoint"
-            )
-        return model
-
     # -- files --------------------------------------------------------------------------------
 
-    def metadata(self) -> dict:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.gaussian.tensors()
+
+    def own_metadata(self) -> dict:
         return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "bayescli_version": __version__,
-            "method": "laplace",
-            "subset": self.subset.value,
             "hessian": self.structure,
             "curvature": self.curvature.value,
             "head_bias": self.head_bias,
             "n_data": self.n_data,
             "log_likelihood": self.log_likelihood,
             "prior_precision": self.prior_precision,
-            **self.meta,
         }
 
-    def save(self, path: str | Path) -> None:
-        """Write tensors and metadata to ``.safetensors`` (atomically)."""
-        save_tensors(path, self.gaussian.tensors(), self.metadata())
-
     @classmethod
-    def load(cls, path: str | Path) -> LaplacePosterior:
-        """Read a posterior file written by :meth:`save`."""
-        tensors, meta = load_tensors(path)
-        if meta.get("format") != FORMAT:
-            raise BayescliError(f"{path} is not a bayescli posterior file; create one with fit-laplace")
-        if meta.get("format_version", 0) > FORMAT_VERSION:
-            raise BayescliError(
-                f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade"
-            )
+    def from_file(cls, tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> LaplacePosterior:
         delta = float(meta["prior_precision"])
         mean = tensors["mean"]
         structure = meta["hessian"]
-        try:
-            if structure == "diag":
-                gauss: WeightGaussian = DiagGaussian(mean, tensors["curvature_diag"], delta)
-            elif structure == "kron":
-                gauss = KronGaussian(mean, tensors["kron_G"], tensors["kron_A"], delta)
-            else:
-                gauss = FullGaussian(mean, tensors["curvature_full"], delta)
-        except (KeyError, ValueError) as exc:
-            raise BayescliError(f"{path} is missing or has malformed tensors ({exc}); refit it") from None
-        keep = {k: v for k, v in meta.items() if k not in _OWN_KEYS}
+        if structure == "diag":
+            gauss: WeightGaussian = DiagGaussian(mean, tensors["curvature_diag"], delta)
+        elif structure == "kron":
+            gauss = KronGaussian(mean, tensors["kron_G"], tensors["kron_A"], delta)
+        else:
+            gauss = FullGaussian(mean, tensors["curvature_full"], delta)
         return cls(
             gauss,
             Subset(meta["subset"]),
@@ -291,16 +260,11 @@ class LaplacePosterior:
             bool(meta["head_bias"]),
             int(meta["n_data"]),
             meta.get("log_likelihood"),
-            keep,
+            cls.provenance(meta, _OWN_KEYS),
         )
 
 
 _OWN_KEYS = {
-    "format",
-    "format_version",
-    "bayescli_version",
-    "method",
-    "subset",
     "hessian",
     "curvature",
     "head_bias",

@@ -20,9 +20,9 @@ from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.models import Classifier
-from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive, Subset
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
+from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
-from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.links import LinkOutput, apply_link
@@ -43,21 +43,21 @@ class Prediction:
 
 
 def logit_gaussian(
-    posterior: LaplacePosterior,
+    posterior: Posterior,
     feats: Features,
     classifier: Classifier | None = None,
     data: ArrayData | None = None,
     batch_size: int = 256,
 ) -> LogitGaussian:
     """GLM logit Gaussians for every input (features for last-layer, inputs for all-layer)."""
-    if posterior.subset is Subset.LAST_LAYER:
+    if not posterior.needs_inputs:
         return posterior.logit_gaussian(feats.phi)
     parts = [posterior.logit_gaussian_inputs(classifier, x) for x, _ in data.batches(batch_size)]
     return LogitGaussian.cat(parts)
 
 
 def _bnn_logits(
-    posterior: LaplacePosterior,
+    posterior: Posterior,
     feats: Features,
     classifier: Classifier | None,
     data: ArrayData | None,
@@ -65,7 +65,7 @@ def _bnn_logits(
     gen: torch.Generator,
     batch_size: int,
 ) -> torch.Tensor:
-    if posterior.subset is Subset.LAST_LAYER:
+    if not posterior.needs_inputs:
         return posterior.sample_logits(samples, classifier, None, feats.phi, gen)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     parts = []
@@ -78,7 +78,7 @@ def _bnn_logits(
 
 
 def predict(
-    posterior: LaplacePosterior,
+    posterior: Posterior,
     feats: Features,
     predictive: Predictive | str = Predictive.GLM,
     link: Link | str = Link.PROBIT,

@@ -75,8 +75,11 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
     """Laplace-bridge ``α [N, K]`` from a logit Gaussian, ``O(NK)`` for diagonal and eigen forms.
 
     The zero-sum correction needs only ``diag Σ`` and ``Σ1``, which every form provides
-    without building ``Σ``.
+    without building ``Σ``. A logit Gaussian that is the bridge image of a native Dirichlet
+    (``lg.alpha``) maps back to that Dirichlet exactly, whatever the correction.
     """
+    if lg.alpha is not None:
+        return lg.alpha
     rowsum = lg.rowsum()
     # Row chunks keep the float64 elementwise passes in cache: 2× faster at K = 1000.
     rows = max(1, BRIDGE_CHUNK_ELEMENTS // lg.num_classes)

@@ -1,0 +1,195 @@
+"""One interface for every weight posterior (Laplace, MNVI, FSVI, Dirichlet fVI, …).
+
+A posterior turns what the backbone produced into the currency of DESIGN §1, a
+:class:`~bayescli.posterior.gaussian.LogitGaussian` per input:
+
+* last-layer posteriors (``needs_inputs`` false) read penultimate features ``phi [N, D]``
+  through :meth:`Posterior.logit_gaussian`;
+* whole-network posteriors read pixel-space inputs ``x [N, ...]`` through
+  :meth:`Posterior.logit_gaussian_inputs` (they need the classifier).
+
+Every posterior is written to one file format — safetensors plus JSON metadata — whose
+``method`` entry names the class that reads it back. :func:`load_posterior` dispatches on it
+through :data:`METHODS`; adding a method is one entry there (module path and class name), so the
+registry needs no import of the methods and start-up stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from bayescli._version import __version__
+from bayescli.errors import BayescliError
+from bayescli.io import load_tensors, save_tensors
+from bayescli.options import Subset
+
+if TYPE_CHECKING:
+    from bayescli.models import Classifier, LoadedModel
+    from bayescli.posterior.gaussian import LogitGaussian
+
+FORMAT = "bayescli-posterior"
+FORMAT_VERSION = 1
+
+# method name → "module:Class"; the class implements Posterior and reads its own files.
+METHODS: dict[str, str] = {
+    "laplace": "bayescli.posterior.laplace:LaplacePosterior",
+    "mnvi": "bayescli.posterior.vi.mnvi:MNVIPosterior",
+    "fsvi": "bayescli.posterior.vi.fsvi:FSVIPosterior",
+    "dirichlet-fvi": "bayescli.posterior.vi.dirichlet_fvi:DirichletFVIPosterior",
+}
+
+# Metadata keys every posterior file carries, written by Posterior.metadata().
+COMMON_KEYS = frozenset({"format", "format_version", "bayescli_version", "method", "subset"})
+
+
+class Posterior(ABC):
+    """A distribution over (some of) a classifier's weights, and its logit Gaussians.
+
+    Subclasses set ``method`` (the file's ``method`` entry) and implement the predictive they
+    support, :meth:`tensors`, :meth:`own_metadata` and :meth:`from_file`. ``meta`` holds the
+    provenance shared by all methods (model spec, checkpoint path and sha256, preprocessing,
+    data spec, class count, fit seconds, …), written verbatim into the file.
+    """
+
+    method: ClassVar[str]
+    subset: Subset
+    meta: dict
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether predictions need pixel-space inputs (whole-network posteriors) or features."""
+        return self.subset is not Subset.LAST_LAYER
+
+    @property
+    def label(self) -> str:
+        """Short description for tables, e.g. ``laplace last-layer kron``."""
+        return f"{self.method} {self.subset.value}"
+
+    def summary(self) -> dict:
+        """Scalar facts for summary tables and reports (method-specific)."""
+        return {k: v for k, v in self.own_metadata().items() if isinstance(v, str | int | float | bool)}
+
+    # -- predictives --------------------------------------------------------------------------
+
+    def logit_gaussian(self, phi: torch.Tensor) -> LogitGaussian:
+        """Logit Gaussian for last-layer features ``phi [N, D]`` → mean/var ``[N, K]``."""
+        raise BayescliError(f"this {self.label} posterior predicts from inputs, not features")
+
+    def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
+        """Logit Gaussian for pixel-space inputs ``x [N, ...]`` (whole-network posteriors)."""
+        raise BayescliError(f"this {self.label} posterior predicts from features, not inputs")
+
+    def sample_logits(
+        self,
+        num: int,
+        classifier: Classifier,
+        x: torch.Tensor | None,
+        phi: torch.Tensor | None,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """BNN predictive: logits ``[M, N, K]`` of the network at ``M`` weight draws."""
+        raise BayescliError(f"{self.method} posteriors have no BNN predictive; use --predictive glm")
+
+    # -- files --------------------------------------------------------------------------------
+
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The arrays the posterior file stores."""
+
+    @abstractmethod
+    def own_metadata(self) -> dict:
+        """Method-specific metadata (hyperparameters, selection curves, …)."""
+
+    @classmethod
+    @abstractmethod
+    def from_file(cls, tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> Posterior:
+        """Rebuild the posterior from what :meth:`save` wrote (``meta`` is the whole header)."""
+
+    def metadata(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "bayescli_version": __version__,
+            "method": self.method,
+            "subset": self.subset.value,
+            **self.own_metadata(),
+            **self.meta,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write tensors and metadata to ``.safetensors`` (atomically)."""
+        save_tensors(path, self.tensors(), self.metadata())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Posterior:
+        """Read a posterior file; it must hold this class's method."""
+        post = load_posterior(path)
+        if not isinstance(post, cls):
+            raise BayescliError(f"{path} holds a {post.method} posterior, not {cls.method}")
+        return post
+
+    @staticmethod
+    def provenance(meta: dict, own_keys: set[str] | frozenset[str]) -> dict:
+        """The shared provenance of a file header: everything but the common and ``own_keys``."""
+        return {k: v for k, v in meta.items() if k not in COMMON_KEYS and k not in own_keys}
+
+    # -- the model it belongs to --------------------------------------------------------------
+
+    def load_model(self, checkpoint: str | Path | None = None) -> LoadedModel:
+        """Re-create the network the posterior was fitted on, verifying the checkpoint's hash.
+
+        ``checkpoint`` overrides the recorded path (the hash must still match).
+        """
+        from bayescli.models import load_classifier
+        from bayescli.preprocess import Preprocess
+
+        for key in ("model", "checkpoint", "checkpoint_sha256"):
+            if key not in self.meta:
+                raise BayescliError(f"the posterior file lacks '{key}'; refit it")
+        model = load_classifier(
+            self.meta["model"],
+            checkpoint or self.meta["checkpoint"],
+            self.meta.get("head"),
+            self.meta["checkpoint_sha256"],
+            self.meta.get("checkpoint_key"),
+            Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
+        )
+        if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
+            raise BayescliError(
+                f"the posterior has {self.meta['num_classes']} classes but the model has "
+                f"{model.classifier.num_classes}; use the matching checkpoint"
+            )
+        return model
+
+
+def posterior_class(method: str) -> type[Posterior]:
+    """The class registered for ``method`` (imported on first use)."""
+    if method not in METHODS:
+        raise BayescliError(
+            f"unknown posterior method '{method}'; this bayescli reads {', '.join(sorted(METHODS))}"
+        )
+    module, _, name = METHODS[method].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_posterior(path: str | Path) -> Posterior:
+    """Read any posterior file, dispatching on its ``method`` entry."""
+    tensors, meta = load_tensors(path)
+    if meta.get("format") != FORMAT:
+        raise BayescliError(
+            f"{path} is not a bayescli posterior file; create one with fit-laplace or fit-vi"
+        )
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise BayescliError(
+            f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade"
+        )
+    cls = posterior_class(str(meta.get("method", "laplace")))
+    try:
+        return cls.from_file(tensors, meta, Path(path))
+    except (KeyError, ValueError) as exc:
+        raise BayescliError(f"{path} is missing or has malformed entries ({exc}); refit it") from None
