@@ -13,6 +13,7 @@ from bayescli.cli import common
 from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
+from bayescli.cli.fit_vi import fit_vi_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
@@ -21,7 +22,8 @@ from bayescli.errors import BayescliError
 app = typer.Typer(
     name="bayescli",
     help="Post-hoc Bayesian uncertainty for pretrained classifiers: Laplace approximations, "
-    "GLM predictives, the Laplace bridge, uncertainty-aware top-k and their evaluation.",
+    "variational posteriors (MNVI, FSVI, Dirichlet fVI), GLM predictives, the Laplace bridge, "
+    "uncertainty-aware top-k and their evaluation.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -51,6 +53,7 @@ _USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickExce
 
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
+app.command("fit-vi")(fit_vi_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)
 app.command("evaluate")(evaluate_cmd)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import ArrayData
+    from bayescli.models import LoadedModel
     from bayescli.posterior.base import Posterior
     from bayescli.preprocess import Preprocess
 
@@ -49,6 +50,10 @@ Std = Annotated[str | None, typer.Option(help="Per-channel std, e.g. 0.229,0.224
 Resize = Annotated[int | None, typer.Option(min=1, help="Resize the shorter side to N px (aspect kept).")]
 Crop = Annotated[int | None, typer.Option(min=1, help="Centre-crop N×N px after resizing.")]
 InterpolationOpt = Annotated[Interpolation | None, typer.Option("--interpolation", help="Resize filter.")]
+CheckpointKey = Annotated[
+    str | None,
+    typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
+]
 Head = Annotated[
     str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
 ]
@@ -69,6 +74,49 @@ def load(
     from bayescli.data import load_data
 
     return load_data(spec, root=root, download=download, limit=limit, seed=seed, preprocess=preprocess)
+
+
+def preprocess_from_options(
+    preset: PreprocessPreset | None,
+    model: str,
+    mean: str | None,
+    std: str | None,
+    resize: int | None,
+    crop: int | None,
+    interpolation: Interpolation | None,
+) -> Preprocess | None:
+    """The input recipe given by ``--preprocess`` and its overrides (``None``: the checkpoint's)."""
+    from bayescli.preprocess import resolve_preprocess
+
+    return resolve_preprocess(
+        preset, model, floats(mean, "--mean"), floats(std, "--std"), resize, crop, interpolation
+    )
+
+
+def load_model_and_data(
+    model: str,
+    checkpoint: Path,
+    head: str | None,
+    checkpoint_key: str | None,
+    preprocess: Preprocess | None,
+    data: str,
+    root: Path,
+    download: bool,
+    limit: int | None,
+    seed: int,
+) -> tuple[LoadedModel, ArrayData]:
+    """A user's checkpoint and the fitting data, checked against each other."""
+    from bayescli.models import load_classifier
+
+    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=preprocess)
+    fit_data = load(data, root, download, limit, seed, loaded.preprocess)
+    check_labels(fit_data, loaded.classifier.num_classes)
+    return loaded, fit_data
+
+
+def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: ArrayData) -> None:
+    """What a posterior file must say about its model and data (``load_model`` reads it back)."""
+    post.meta |= {**loaded.describe(), "class_names": loaded.class_names, "data": fit_data.info}
 
 
 def floats(text: str | None, option: str) -> tuple[float, ...] | None:
@@ -123,6 +171,28 @@ def posterior_summary(post: Posterior) -> dict:
         **post.summary(),
         **{k: post.meta.get(k) for k in keys},
     }
+
+
+def tagged_posteriors(posts: list[Posterior], paths: list[Path]) -> dict[str, Posterior]:
+    """Posteriors keyed by their file stems (made unique), after checking they share one checkpoint."""
+    import re
+
+    first = posts[0].meta
+    tags: dict[str, Posterior] = {}
+    for post, path in zip(posts, paths, strict=True):
+        for key in ("model", "checkpoint_sha256"):
+            if post.meta.get(key) != first.get(key):
+                raise BayescliError(
+                    f"{path} belongs to a different model ({key} {post.meta.get(key)!r} vs "
+                    f"{first.get(key)!r} in {paths[0]}); compare posteriors of one checkpoint"
+                )
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or post.method
+        tag, n = base, 1
+        while tag in tags:
+            n += 1
+            tag = f"{base}-{n}"
+        tags[tag] = post
+    return tags
 
 
 def warn(message: str | None) -> None:

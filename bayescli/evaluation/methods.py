@@ -29,9 +29,28 @@ from bayescli.predictive.glm import predict
 
 @dataclass(frozen=True)
 class Method:
+    """A predictive-link pair; ``posterior`` tags the posterior file it uses (``None`` for MAP)."""
+
     name: str
     predictive: Predictive | None
     link: Link | None
+    posterior: str | None = None
+
+
+def expand_methods(methods: list[Method], tags: list[str]) -> list[Method]:
+    """One method per posterior tag; names gain a ``TAG/`` prefix when there are several tags.
+
+    ``map`` needs no posterior and is kept once.
+    """
+    out = []
+    for m in methods:
+        if m.predictive is None:
+            out.append(m)
+            continue
+        for tag in tags:
+            name = f"{tag}/{m.name}" if len(tags) > 1 else m.name
+            out.append(Method(name, m.predictive, m.link, tag))
+    return out
 
 
 def parse_methods(text: str) -> list[Method]:
@@ -65,7 +84,7 @@ class MethodOutput:
 
 def run_method(
     method: Method,
-    posterior: Posterior,
+    posterior: Posterior | None,
     feats: Features,
     classifier: Classifier,
     data: ArrayData,
@@ -73,7 +92,7 @@ def run_method(
     seed: int,
     ggp: GGPPredictor | None = None,
 ) -> MethodOutput:
-    """Apply ``method`` to the inputs whose features are ``feats``."""
+    """Apply ``method`` to the inputs whose features are ``feats`` (``posterior`` unused by ``map``)."""
     if method.predictive is None:
         start = time.perf_counter()
         probs = feats.logits.softmax(-1)
