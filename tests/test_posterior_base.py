@@ -141,4 +141,4 @@ def test_ggp_methods_need_a_laplace_posterior(digits_posterior, toy_registered, 
     toy_path = _toy_from(digits_posterior, tmp_path / "toy.safetensors", 1.0)
     res = cli("evaluate", "--posterior", toy_path, "--data", "digits:test", "--limit", "20",
               "--methods", "ggp-probit")  # fmt: skip
-    assert res.code == 2 and "need a Laplace posterior" in res.err
+    assert res.code == 2 and "needs a Laplace posterior" in res.err

@@ -26,7 +26,6 @@ from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reli
 from bayescli.models import LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
-from bayescli.posterior.laplace import LaplacePosterior
 from bayescli.predictive.ggp import fit_ggp
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
@@ -71,11 +70,6 @@ class Evaluator:
         self.ggp: dict[str, object] = {}
         for tag in {m.posterior for m in self.methods if m.predictive is Predictive.GGP}:
             post = posteriors[tag]
-            if not isinstance(post, LaplacePosterior):
-                raise BayescliError(
-                    f"ggp-* methods need a Laplace posterior (its prior precision defines the GP prior); "
-                    f"{tag} is {post.method}. Drop ggp-* or pass a fit-laplace file"
-                )
             start = time.perf_counter()
             self.ggp[tag] = fit_ggp(
                 post,
