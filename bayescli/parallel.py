@@ -147,6 +147,32 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return buf.to(tensor.device)
 
 
+def first_error(message: str | None) -> str | None:
+    """Collective: the message of the lowest rank that failed (``None`` if none did), on every rank.
+
+    Each rank passes its own error (or ``None``) at the same point of the program, so that a
+    failure on one rank ends every rank with the same message instead of leaving the others
+    waiting in a collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return message
+    size, rank = dist.get_world_size(), dist.get_rank()
+    failed = torch.zeros(size, dtype=torch.float64, device=_comm_device())
+    failed[rank] = 1.0 if message is not None else 0.0
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    ranks = failed.nonzero().flatten().tolist()
+    if not ranks:
+        return None
+    src = int(ranks[0])
+    data = (message or "").encode()[:4096] if rank == src else b""
+    length = broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
+    buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if rank == src:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    text = bytes(broadcast(buf, src).tolist()).decode(errors="replace")
+    return f"rank {src}: {text}"
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -32,6 +32,8 @@ def _worker(rank: int, size: int, port: int, queue) -> None:
         "gathered": parallel.gather(mine.reshape(-1, 1) * 2).flatten().tolist(),
         "max": parallel.all_reduce_max(float(rank)),
         "bcast": parallel.broadcast(torch.tensor([float(rank + 7)]), src=1).item(),
+        "no_error": parallel.first_error(None),
+        "error": parallel.first_error("bad shard: NaN in inputs" if rank == 1 else None),
     }
     queue.put((rank, out))
     parallel.barrier()
@@ -57,6 +59,9 @@ def test_two_processes_shard_sum_and_gather():
         assert results[r]["gathered"] == [2.0 * i for i in range(10)]  # dataset order
         assert results[r]["max"] == 1.0
         assert results[r]["bcast"] == 8.0  # rank 1's value
+        assert results[r]["no_error"] is None
+        # Rank 1's failure reaches rank 0 too, so both stop with the same message.
+        assert results[r]["error"] == "rank 1: bad shard: NaN in inputs"
 
 
 @pytest.mark.parametrize("n,size", [(0, 3), (7, 3), (10, 4), (1000, 7)])
