@@ -14,14 +14,16 @@ processes reproduces the one-process sums up to the order of float64 additions.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from bayescli.errors import BayescliError
+from bayescli.errors import AllRanksError, BayescliError
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,26 @@ def first_error(message: str | None) -> str | None:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     text = bytes(broadcast(buf, src).tolist()).decode(errors="replace")
     return f"rank {src}: {text}"
+
+
+@contextlib.contextmanager
+def together() -> Iterator[None]:
+    """Run a block on every rank; if it fails on any, raise :class:`AllRanksError` on all.
+
+    The block's own :class:`BayescliError` is caught and shared through :func:`first_error` at
+    the end of the block, so no rank is left waiting in a later collective. With one process the
+    error passes through unchanged (as an ``AllRanksError``).
+    """
+    message = None
+    try:
+        yield
+    except AllRanksError:
+        raise
+    except BayescliError as exc:
+        message = str(exc)
+    agreed = first_error(message)
+    if agreed is not None:
+        raise AllRanksError(agreed if world().distributed else message) from None
 
 
 def barrier() -> None:

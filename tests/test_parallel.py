@@ -10,12 +10,23 @@ import torch
 import torch.multiprocessing as mp
 
 from bayescli import parallel
+from bayescli.errors import AllRanksError, BayescliError
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _together(rank: int) -> str | None:
+    try:
+        with parallel.together():
+            if rank == 0:
+                raise BayescliError("missing file x.png")
+    except AllRanksError as exc:
+        return str(exc)
+    return None
 
 
 def _worker(rank: int, size: int, port: int, queue) -> None:
@@ -34,6 +45,7 @@ def _worker(rank: int, size: int, port: int, queue) -> None:
         "bcast": parallel.broadcast(torch.tensor([float(rank + 7)]), src=1).item(),
         "no_error": parallel.first_error(None),
         "error": parallel.first_error("bad shard: NaN in inputs" if rank == 1 else None),
+        "together": _together(rank),
     }
     queue.put((rank, out))
     parallel.barrier()
@@ -62,6 +74,7 @@ def test_two_processes_shard_sum_and_gather():
         assert results[r]["no_error"] is None
         # Rank 1's failure reaches rank 0 too, so both stop with the same message.
         assert results[r]["error"] == "rank 1: bad shard: NaN in inputs"
+        assert results[r]["together"] == "rank 0: missing file x.png"
 
 
 @pytest.mark.parametrize("n,size", [(0, 3), (7, 3), (10, 4), (1000, 7)])
@@ -79,3 +92,10 @@ def test_single_process_helpers_are_identities(monkeypatch):
     t = torch.arange(4.0)
     assert torch.equal(parallel.gather(t), t) and torch.equal(parallel.all_reduce_sum(t), t.double())
     assert parallel.shard(5) == range(0, 5)
+
+
+def test_together_passes_a_single_process_error_through():
+    with pytest.raises(AllRanksError, match="^bad input$"), parallel.together():
+        raise BayescliError("bad input")
+    with parallel.together():
+        pass

@@ -17,7 +17,7 @@ from bayescli.cli.fit_vi import fit_vi_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
-from bayescli.errors import BayescliError
+from bayescli.errors import AllRanksError, BayescliError
 
 app = typer.Typer(
     name="bayescli",
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     except BayescliError as exc:
         if common.state["debug"]:
             raise
-        typer.echo(f"error: {exc}", err=True)
+        # Under torchrun every rank stops with the same AllRanksError message: print it once.
+        if common.is_main_process() or not isinstance(exc, AllRanksError):
+            typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except Exception as exc:
         if common.state["debug"]:

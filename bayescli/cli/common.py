@@ -59,9 +59,16 @@ Head = Annotated[
 ]
 
 
+def is_main_process() -> bool:
+    """Rank 0 under torchrun (read from the launcher's environment), or a plain process."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
-    """Apply the common options: progress bars off for --quiet/--json, seed torch."""
-    progress.set_enabled(not (quiet or as_json))
+    """Apply the common options: progress bars off for --quiet/--json and on ranks > 0, seed torch."""
+    progress.set_enabled(not (quiet or as_json) and is_main_process())
     if seed is not None:
         import torch
 
@@ -196,8 +203,8 @@ def tagged_posteriors(posts: list[Posterior], paths: list[Path]) -> dict[str, Po
 
 
 def warn(message: str | None) -> None:
-    """Print a one-line warning on stderr (kept off stdout, which --json reserves)."""
-    if message:
+    """Print a one-line warning on stderr (kept off stdout, which --json reserves), on rank 0."""
+    if message and is_main_process():
         typer.echo(f"warning: {message}", err=True)
 
 
@@ -227,7 +234,9 @@ def metrics_table(title: str, results: dict[str, dict[str, float]]) -> Table:
 
 
 def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> None:
-    """Print tables unless quiet; with --json print ``payload`` as JSON instead."""
+    """Print tables unless quiet; with --json print ``payload`` as JSON instead (rank 0 only)."""
+    if not is_main_process():
+        return
     if as_json:
         from bayescli.io import to_json
 
@@ -238,7 +247,14 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`)."""
+    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`).
+
+    Under torchrun this also joins the process group (NCCL for CUDA, Gloo for CPU) and gives
+    each process its own GPU (``cuda:LOCAL_RANK``).
+    """
+    from bayescli import parallel
     from bayescli.features import resolve_device as resolve
 
-    return resolve(spec)
+    device = resolve(spec)
+    parallel.init(device)
+    return parallel.device_for(device)
