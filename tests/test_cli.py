@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from scipy.special import digamma
 from tolerance import assert_close
 
 from bayescli.io import load_tensors, save_tensors
@@ -114,11 +115,29 @@ def test_predict_bridge_and_topk(cli, digits_posterior, tmp_path):
     )
     t = load_file(str(out))
     assert t["alpha"].shape == (359, 10)
-    # stored as float32: one rounding each side (6e-8 relative); 1e-5 leaves a margin above 10×
+    assert t["alpha"].dtype == torch.float64  # the bridge works and stores in float64
+    # a sum of 10 terms and a division in float64 (≤ 1e-15 relative); 1e-12 leaves 1000×
     mean = t["alpha"] / t["alpha"].sum(-1, keepdim=True)
-    assert_close(t["dirichlet_mean"], mean, rtol=1e-5, atol=1e-8, what="dirichlet mean = α/α₀")
-    for key in ("alpha0", "dirichlet_variance", "entropy_of_mean", "expected_entropy", "mutual_information"):
-        assert key in t
+    assert_close(t["dirichlet_mean"], mean, rtol=1e-12, atol=1e-15, what="dirichlet mean = α/α₀")
+    # every Dirichlet field written equals its definition, recomputed from the stored α in
+    # NumPy/scipy (not through bayescli.predictive.dirichlet)
+    a = t["alpha"].double().numpy()
+    a0 = a.sum(1)
+    p = a / a0[:, None]
+    h_mean = -(p * np.log(p)).sum(1)
+    h_expected = digamma(a0 + 1) - (p * digamma(a + 1)).sum(1)
+    oracle = {
+        "alpha0": a0,
+        "dirichlet_variance": a * (a0[:, None] - a) / (a0[:, None] ** 2 * (a0[:, None] + 1)),
+        "entropy_of_mean": h_mean,
+        "expected_entropy": h_expected,
+        "mutual_information": np.clip(h_mean - h_expected, 0, None),
+    }
+    for key, expected in oracle.items():
+        # float64 on both sides: a few roundings of values whose digamma terms are ≤ ψ(α₀ + 1) ≈ 10,
+        # plus scipy's and torch's digamma differing by a few ulps: ≲ 1e-14 absolute; 1e-10
+        # leaves a margin above 1000×
+        assert_close(t[key], expected, rtol=1e-10, atol=1e-10, what=f"predict --bridge field {key}")
     _, meta = load_tensors(out)
     assert meta["bridge_correction"] == "zero-sum"
     topk = tmp_path / "topk.json"

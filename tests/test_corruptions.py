@@ -435,6 +435,41 @@ def test_frost_blends_image_and_texture_with_the_severity_weights(size):
         assert_close(corrupt(x, "frost", sev, _gen(3)), expected, atol=1e-5, what=f"{params} frost {sev}")
 
 
+@pytest.mark.parametrize("size", [32, 224])
+def test_motion_blur_spreads_a_point_by_the_severity_radius_and_sigma(size):
+    # The blur of a single bright pixel is the (flipped) kernel: a line of Gaussian weights
+    # exp(−s²/2σ²) at s = 0 … radius (4·⌈radius⌉ + 1 equally spaced points). Bilinear splatting
+    # keeps each point's position on average, so the blurred point's centroid lies exactly
+    # Σ w·s / Σ w pixels from the source, whatever the random angle.
+    params = parameter_set(size, size)
+    x = torch.zeros(4, 1, size, size)
+    x[:, :, size // 2, size // 2] = 1.0
+    ys, xs = np.mgrid[0:size, 0:size] - size // 2
+    for sev, (radius, sigma) in enumerate(REFERENCE[params]["motion_blur"], 1):
+        steps = np.linspace(0, radius, 4 * math.ceil(radius) + 1)
+        w = np.exp(-(steps**2) / (2 * sigma**2))
+        out = corrupt(x, "motion_blur", sev, _gen(sev))[:, 0].double().numpy()
+        mass = out.sum((1, 2))
+        dist = np.hypot((out * xs).sum((1, 2)) / mass, (out * ys).sum((1, 2)) / mass)
+        # float32 kernel weights and convolution (≤ 1e-6 relative) on distances ≤ 20 px: ≤ 2e-5
+        assert_close(dist, (w * steps).sum() / w.sum(), atol=1e-3, what=f"{params} motion centroid {sev}")
+
+
+@pytest.mark.parametrize("size", [32, 224])
+def test_snow_on_black_is_the_brightened_floor_plus_a_point_symmetric_layer(size):
+    # out = clip(c6·x + (1 − c6)·max(x, 1.5·gray(x) + 0.5) + L + rot180(L)): on a black image the
+    # floor is (1 − c6)/2 where the snow layer L ≥ 0 is zero, and the image is symmetric under 180°.
+    params = parameter_set(size, size)
+    x = torch.zeros(3, 3, size, size)
+    for sev, c in enumerate(REFERENCE[params]["snow"], 1):
+        out = corrupt(x, "snow", sev, _gen(sev)).double()
+        # float32 values ≤ 4 added twice in either order: ≤ 5e-7 apart; 5e-6 leaves 10×
+        assert_close(out, torch.rot90(out, 2, (2, 3)), atol=5e-6, what=f"{params} snow point symmetry {sev}")
+        # a float32 rounding of (1 − c6)/2 ≤ 0.25: ≤ 1.5e-8; 1e-6 leaves 60×
+        floor = out.amin((1, 2, 3))
+        assert_close(floor, (1 - c[6]) / 2, atol=1e-6, what=f"{params} snow floor {sev}")
+
+
 # ---------------------------------------------------------------------------------------------
 # All corruptions: range, seeding, severity trend (moved from test_evaluation.py)
 

@@ -71,3 +71,16 @@ def test_set_accuracy_is_label_in_set_not_top1_or_fixed_k():
     assert summary["top1_accuracy"] == 0.25
     assert summary["fixed_topk_accuracy"] == {"1": 0.25, "2": 0.5, "3": 1.0}
     assert summary["mean_k"] == 1.75 and summary["k_histogram"] == {"1": 2, "2": 1, "3": 1}
+
+
+def test_set_accuracy_uses_the_sets_not_the_probability_ranking():
+    # sets from α need not be the top-|set| classes of probs (another link's probabilities, or
+    # ties): here each set skips the most probable class, so label-in-set differs from top-|set|
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.2, 0.7, 0.1]])
+    sets = [torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([0])]
+    labels = torch.tensor([2, 2, 1])
+    direct = np.mean([int(labels[i]) in s.tolist() for i, s in enumerate(sets)])
+    ranked = probs.argsort(-1, descending=True)
+    top_size = np.mean([int(labels[i]) in ranked[i, : len(s)].tolist() for i, s in enumerate(sets)])
+    assert direct == 2 / 3 and top_size == 1 / 3  # the two readings differ on this table
+    assert topk_summary(sets, probs, labels, max_k=3)["set_accuracy"] == direct
