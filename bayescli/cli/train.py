@@ -23,6 +23,8 @@ def train(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -38,9 +40,13 @@ def train(
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("checkpoints are written as .safetensors", param_hint="--out")
-    train_data = c.load(data, data_root, download, limit, seed)
+    train_data = c.load(data, data_root, download, limit, seed, None, num_workers, skip_unreadable)
     val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
-    val_data = c.load(val_spec, data_root, download, None, seed) if val_spec else None
+    val_data = (
+        c.load(val_spec, data_root, download, None, seed, None, num_workers, skip_unreadable)
+        if val_spec
+        else None
+    )
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed)
     clf, meta = train_classifier(model, train_data, val_data, cfg, c.resolve_device(device))
     save_checkpoint(out, clf.cpu(), meta)
