@@ -24,13 +24,9 @@ from bayescli.progress import track
 
 
 def channel_stats(data: Data, max_rows: int = 20_000) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of the inputs (per column for flat data) ``([C], [C])``."""
-    x = data.inputs(slice(0, max_rows))
-    dims = [0, 2, 3] if x.dim() == 4 else [0]
-    if x.dim() not in (2, 4):
-        x, dims = x.flatten(1), [0]
-    mean, std = x.mean(dims), x.std(dims).clamp_min(1e-3)
-    return mean.tolist(), std.tolist()
+    """Per-channel mean and std of the inputs (per column for flat data) ``([C], [C])``, streamed."""
+    mean, std = data.channel_moments(max_rows)
+    return mean.float().tolist(), std.float().clamp_min(1e-3).tolist()
 
 
 @torch.no_grad()

@@ -335,3 +335,15 @@ def test_evaluate_warns_when_map_accuracy_is_low(cli, digits_posterior, tmp_path
     assert len(warnings) == 1 and "wrong.npz" in warnings[0]
     res = cli(*args, "--data", "digits:test")
     assert res.code == 0 and "MAP accuracy" not in res.err
+
+
+def test_channel_moments_stream_the_reference_statistics():
+    data = load_data("digits:train")
+    mean, std = data.channel_moments(rows=500, batch_size=64)
+    x = data.inputs(slice(0, 500)).double()
+    # float64 sums of 32,000 values in [0, 1] and Σx² − n·mean² with var ≈ 0.15: rounding ≲ 1e-13
+    assert_close(mean, x.mean((0, 2, 3)), rtol=1e-10, what="streamed channel mean")
+    assert_close(std, x.std((0, 2, 3)), rtol=1e-10, what="streamed channel std (unbiased)")
+    flat = load_data("digits:train").map_inputs(partial(torch.flatten, start_dim=1), shape=(64,))
+    mean_cols, _ = flat.channel_moments(rows=500)
+    assert_close(mean_cols, x.flatten(1).mean(0), rtol=1e-10, atol=1e-12, what="per-column mean")

@@ -314,6 +314,24 @@ class Data:
         """Float inputs ``[B, *input_shape]`` for rows ``index`` (see :meth:`take`)."""
         return self.take(index)[0]
 
+    def channel_moments(self, rows: int = 5000, batch_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and (unbiased) std ``[C]`` per channel of images, or per column of flat inputs, over the
+        first ``rows`` inputs, streamed in float64."""
+        total = total_sq = None
+        count = 0
+        for xb, _ in self.subset(slice(0, rows)).batches(batch_size):
+            xb = xb.double() if xb.dim() in (2, 4) else xb.double().flatten(1)
+            dims = [0, 2, 3] if xb.dim() == 4 else [0]
+            s, sq = xb.sum(dims), xb.pow(2).sum(dims)
+            total = s if total is None else total + s
+            total_sq = sq if total_sq is None else total_sq + sq
+            count += xb.numel() // s.numel()
+        if total is None:
+            raise BayescliError(f"{self.spec} has no readable inputs")
+        mean = total / count
+        var = (total_sq - count * mean.pow(2)).clamp_min(0) / max(count - 1, 1)
+        return mean, var.sqrt()
+
     # -- views --------------------------------------------------------------------------------
 
     def _view(self) -> Data:

@@ -101,32 +101,14 @@ class SyntheticSource(Source):
         return patch.clamp(0, 1)
 
 
-def _channel_moments(
-    reference: Data, rows: int = 5000, batch_size: int = 256
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (images) or per-feature mean and std of the first ``rows`` reference inputs, streamed."""
-    total = total_sq = None
-    count = 0
-    for xb, _ in reference.subset(slice(0, rows)).batches(batch_size):
-        xb = xb.double()
-        dims = [0, 2, 3] if xb.dim() == 4 else [0]
-        s, sq = xb.sum(dims), xb.pow(2).sum(dims)
-        total = s if total is None else total + s
-        total_sq = sq if total_sq is None else total_sq + sq
-        count += xb.numel() // s.numel()
-    mean = total / count
-    var = (total_sq - count * mean.pow(2)).clamp_min(0) / max(count - 1, 1)  # unbiased, as torch.std
-    shape = (-1, 1, 1) if len(reference.input_shape) == 3 else tuple(reference.input_shape)
-    return mean.float().reshape(shape), var.sqrt().float().reshape(shape)
-
-
 def synthetic_ood(spec: str, reference: Data, n: int, seed: int = 0) -> Data:
     """``n`` synthetic OOD inputs shaped like ``reference``'s (see module docs), generated lazily."""
     if spec not in SYNTHETIC_OOD:
         raise BayescliError(f"unknown synthetic OOD '{spec}'; use one of {', '.join(SYNTHETIC_OOD)}")
     mean = std = None
     if spec == "noise:gaussian":
-        mean, std = _channel_moments(reference)
+        shape = (-1, 1, 1) if len(reference.input_shape) == 3 else tuple(reference.input_shape)
+        mean, std = (m.float().reshape(shape) for m in reference.channel_moments(5000))
     source = SyntheticSource(spec, n, reference.input_shape, seed, mean, std)
     info = {"spec": spec, "n": n, "seed": seed, "synthetic": True}
     return Data(source, reference.class_names, info, num_workers=reference.num_workers)
