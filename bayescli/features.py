@@ -1,25 +1,35 @@
-"""Batched extraction of penultimate features ``φ(x)`` and logits, with an optional cache.
+"""Penultimate features ``φ(x)`` and logits, streamed batch by batch, with an optional sharded cache.
 
 The backbone runs once per input set; everything downstream (curvature, predictives, links)
-works on the features. A cache file is keyed by the checkpoint's SHA-256, the head and the data
-provenance, so a stale cache is never reused.
+works on the features. :class:`FeatureStream` yields them batch by batch (fitting consumes them
+so, and never holds them all); :func:`extract_features` collects one pass into :class:`Features`
+for the commands that need every score at once (predict, evaluate). A cache is a directory of
+safetensors shards written while the batches stream and read back the same way, keyed by the
+checkpoint's SHA-256, the head and the data provenance, so a stale cache is never reused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
 from bayescli.models import LoadedModel
 from bayescli.progress import track
+
+CACHE_FORMAT = "bayescli-features/1"
+SHARD_BYTES = 64 * 2**20  # rows of φ and logits buffered before a shard is written
 
 
 @dataclass
@@ -48,7 +58,7 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
-def check_input_shape(model: LoadedModel, data: ArrayData) -> None:
+def check_input_shape(model: LoadedModel, data: Data) -> None:
     """Raise if ``data`` cannot be fed to ``model`` (recorded input shape, or a failed probe)."""
     expected = model.metadata.get("input_shape")
     if expected and list(data.input_shape) != list(expected):
@@ -58,57 +68,203 @@ def check_input_shape(model: LoadedModel, data: ArrayData) -> None:
         )
 
 
-def cache_key(model: LoadedModel, data: ArrayData) -> str:
+def cache_key(model: LoadedModel, data: Data) -> str:
     """Hex digest identifying (checkpoint bytes, head, data provenance and size)."""
     ident = {"sha256": model.sha256, "head": model.classifier.head_name, "data": data.info, "n": len(data)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
+@dataclass
+class FeatureBatch:
+    """One batch: ``phi [B, D]``, MAP ``logits [B, K]``, ``labels [B]`` or ``None`` (CPU)."""
+
+    phi: torch.Tensor
+    logits: torch.Tensor
+    labels: torch.Tensor | None
+
+
+class _ShardWriter:
+    """Buffers feature batches into ~``SHARD_BYTES`` shards in a temporary directory beside the cache,
+    renamed into place by :meth:`commit` (so a failed or interrupted pass leaves no cache)."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        if path.exists() and not (path / "manifest.json").is_file():
+            raise BayescliError(f"{path} exists and is not a bayescli feature cache; choose another path")
+        if not path.parent.is_dir():
+            raise BayescliError(f"output directory {path.parent} does not exist; create it first")
+        self.path, self.meta = path, meta
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        self.buffer: list[FeatureBatch] = []
+        self.rows, self.shards = 0, []
+
+    def add(self, batch: FeatureBatch) -> None:
+        self.buffer.append(batch)
+        self.rows += len(batch.phi)
+        row_bytes = 4 * (batch.phi.shape[1] + batch.logits.shape[1]) + 8
+        if self.rows * row_bytes >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.buffer:
+            return
+        tensors = {
+            "phi": torch.cat([b.phi for b in self.buffer]),
+            "logits": torch.cat([b.logits for b in self.buffer]),
+        }
+        if self.buffer[0].labels is not None:
+            tensors["labels"] = torch.cat([b.labels for b in self.buffer])
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        save_tensors(self.tmp / name, tensors, {})
+        self.shards.append(name)
+        self.buffer, self.rows = [], 0
+
+    def commit(self, extra: dict) -> None:
+        self._flush()
+        manifest = {**self.meta, **extra, "shards": self.shards}
+        (self.tmp / "manifest.json").write_text(json.dumps(manifest, default=str))
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class FeatureStream:
+    """Passes of ``model``'s backbone over ``data``, yielding :class:`FeatureBatch` es in order.
+
+    Each pass counts the inputs (``n``), MAP-correct predictions (``correct``, labelled data) and
+    the seconds spent producing the batches (``seconds``; zero when read from the cache). The first
+    batch verifies that ``head(features(x))`` reproduces the full forward pass. Memory: one batch
+    (plus one cache shard of ≤ ``SHARD_BYTES`` when writing a cache).
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        data: Data,
+        batch_size: int = 256,
+        device: torch.device | str = "cpu",
+        cache: str | Path | None = None,
+    ) -> None:
+        self.model, self.data, self.batch_size = model, data, batch_size
+        self.device = torch.device(device)
+        self.cache = Path(cache) if cache is not None else None
+        self.key = cache_key(model, data)
+        self.n, self.correct, self.seconds, self.labelled = 0, 0, 0.0, True
+
+    @property
+    def accuracy(self) -> float | None:
+        """MAP accuracy over the last pass (``None`` for unlabelled data)."""
+        return self.correct / self.n if self.labelled and self.n else None
+
+    def _count(self, batch: FeatureBatch) -> None:
+        self.n += len(batch.phi)
+        if batch.labels is None:
+            self.labelled = False
+        else:
+            self.correct += int((batch.logits.argmax(1) == batch.labels).sum())
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        self.n, self.correct, self.seconds, self.labelled = 0, 0, 0.0, True
+        manifest = _read_manifest(self.cache) if self.cache is not None else None
+        if (
+            manifest is not None
+            and manifest.get("format") == CACHE_FORMAT
+            and manifest.get("key") == self.key
+        ):
+            yield from self._read(manifest)
+        else:
+            yield from self._compute()
+
+    def _read(self, manifest: dict) -> Iterator[FeatureBatch]:
+        bad = manifest.get("unreadable_rows") or {}
+        self.data.source.unreadable.update({int(r): tuple(v) for r, v in bad.items()})
+        for name in manifest["shards"]:
+            tensors, _ = load_tensors(self.cache / name)
+            batch = FeatureBatch(tensors["phi"], tensors["logits"], tensors.get("labels"))
+            self._count(batch)
+            yield batch
+        if bad:
+            self.data.info["unreadable"] = manifest["unreadable"]
+
+    def _compute(self) -> Iterator[FeatureBatch]:
+        check_input_shape(self.model, self.data)
+        writer = None
+        if self.cache is not None:
+            meta = {"format": CACHE_FORMAT, "key": self.key, "checkpoint_sha256": self.model.sha256}
+            writer = _ShardWriter(self.cache, {**meta, "data": self.data.info})
+        clf = self.model.classifier.to(self.device).eval()
+        data, dev = self.data, self.device
+        n_batches = (len(data) + self.batch_size - 1) // self.batch_size
+        batches = track(data.batches(self.batch_size), n_batches, f"features {data.spec}")
+        try:
+            start = time.perf_counter()
+            for i, (xb, yb) in enumerate(batches):
+                xb = xb.to(dev)
+                if i == 0:
+                    try:  # on two rows: two extra forwards of a whole batch would cost a batch's time
+                        clf.check_split(xb[:2])
+                    except RuntimeError as exc:
+                        raise BayescliError(
+                            f"{self.model.spec} cannot process inputs of shape {list(data.input_shape)} "
+                            f"({str(exc).splitlines()[0][:160]}); check --data and --model"
+                        ) from None
+                with torch.inference_mode():
+                    phi = clf.features(xb)
+                    batch = FeatureBatch(phi.float().cpu(), clf.head(phi).float().cpu(), yb)
+                if not torch.isfinite(batch.phi).all():
+                    raise BayescliError(
+                        f"{self.model.spec} produced non-finite features on {data.spec}; check the checkpoint"
+                    )
+                self._count(batch)
+                if writer is not None:
+                    writer.add(batch)
+                self.seconds += time.perf_counter() - start
+                yield batch
+                start = time.perf_counter()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self.seconds += time.perf_counter() - start
+            if writer is not None:
+                skipped = {str(r): list(v) for r, v in data.unreadable.items()}
+                writer.commit({"unreadable_rows": skipped, "unreadable": data.info.get("unreadable")})
+                writer = None
+        finally:
+            if writer is not None:
+                writer.discard()
+
+    def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(phi [B, D], labels [B] or None)`` per batch: what the streaming fit consumes."""
+        for batch in self:
+            yield batch.phi, batch.labels
+
+
 def extract_features(
     model: LoadedModel,
-    data: ArrayData,
+    data: Data,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     cache: str | Path | None = None,
 ) -> Features:
-    """Run the backbone over ``data`` once; returns φ, logits and labels.
+    """Run the backbone over ``data`` once and collect φ, logits and labels (``[N, ·]`` in memory).
 
-    The first batch verifies that ``head(features(x))`` reproduces the full forward pass.
-    With ``cache``, a matching cache file is read instead, and a fresh one written otherwise.
+    With ``cache`` (a directory), a matching cache is read instead, and a fresh one written
+    otherwise (see :class:`FeatureStream`). Labels come with the batches, so they match the
+    features even when unreadable images were skipped.
     """
-    key = cache_key(model, data)
-    if cache is not None and Path(cache).is_file():
-        tensors, meta = load_tensors(cache)
-        if meta.get("key") == key:
-            return Features(tensors["phi"], tensors["logits"], tensors.get("labels"), 0.0)
-    check_input_shape(model, data)
-    device = torch.device(device)
-    clf = model.classifier.to(device).eval()
-    phis, logits = [], []
-    start = time.perf_counter()
-    n_batches = (len(data) + batch_size - 1) // batch_size
-    for i, (xb, _) in enumerate(track(data.batches(batch_size), n_batches, f"features {data.spec}")):
-        xb = xb.to(device)
-        if i == 0:
-            try:
-                clf.check_split(xb)
-            except RuntimeError as exc:
-                raise BayescliError(
-                    f"{model.spec} cannot process inputs of shape {list(data.input_shape)} "
-                    f"({str(exc).splitlines()[0][:160]}); check --data and --model"
-                ) from None
-        with torch.inference_mode():
-            phi = clf.features(xb)
-            phis.append(phi.float().cpu())
-            logits.append(clf.head(phi).float().cpu())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    feats = Features(torch.cat(phis), torch.cat(logits), data.y, time.perf_counter() - start)
-    if not torch.isfinite(feats.phi).all():
-        raise BayescliError(f"{model.spec} produced non-finite features on {data.spec}; check the checkpoint")
-    if cache is not None:
-        tensors = {"phi": feats.phi, "logits": feats.logits}
-        if feats.labels is not None:
-            tensors["labels"] = feats.labels
-        save_tensors(cache, tensors, {"key": key, "data": data.info, "checkpoint_sha256": model.sha256})
-    return feats
+    stream = FeatureStream(model, data, batch_size, device, cache)
+    batches = list(stream)
+    if not batches:
+        raise BayescliError(f"{data.spec} has no readable inputs")
+    labels = None if not stream.labelled else torch.cat([b.labels for b in batches])
+    return Features(
+        torch.cat([b.phi for b in batches]), torch.cat([b.logits for b in batches]), labels, stream.seconds
+    )

@@ -63,6 +63,13 @@ class Preprocess:
             x = tvf.center_crop(x, [self.crop])
         return x.clamp_(0.0, 1.0)
 
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The input shape ``[C, H, W]`` after :meth:`pixels` (worked out on one blank channel)."""
+        if not self.changes_pixels:
+            return tuple(shape)
+        probe = torch.zeros(1, 1, *shape[1:]) if len(shape) == 3 else torch.zeros(1, *shape)
+        return (shape[0], *self.pixels(probe).shape[-2:])
+
     def to_meta(self) -> dict:
         d = asdict(self)
         d["interpolation"] = self.interpolation.value

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bayescli._version import __version__
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.io import save_tensors
 from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
@@ -23,18 +23,14 @@ from bayescli.options import TrainConfig
 from bayescli.progress import track
 
 
-def channel_stats(data: ArrayData, max_rows: int = 20_000) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of the inputs (per column for flat data) ``([C], [C])``."""
-    x = data.inputs(slice(0, max_rows))
-    dims = [0, 2, 3] if x.dim() == 4 else [0]
-    if x.dim() not in (2, 4):
-        x, dims = x.flatten(1), [0]
-    mean, std = x.mean(dims), x.std(dims).clamp_min(1e-3)
-    return mean.tolist(), std.tolist()
+def channel_stats(data: Data, max_rows: int = 20_000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the inputs (per column for flat data) ``([C], [C])``, streamed."""
+    mean, std = data.channel_moments(max_rows)
+    return mean.float().tolist(), std.float().clamp_min(1e-3).tolist()
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: ArrayData, device: torch.device, batch_size: int = 512) -> float:
+def accuracy(model: nn.Module, data: Data, device: torch.device, batch_size: int = 512) -> float:
     """Top-1 accuracy of ``model`` on labelled ``data``."""
     model.eval()
     correct = 0
@@ -45,8 +41,8 @@ def accuracy(model: nn.Module, data: ArrayData, device: torch.device, batch_size
 
 def train_classifier(
     model: str,
-    train: ArrayData,
-    val: ArrayData | None = None,
+    train: Data,
+    val: Data | None = None,
     config: TrainConfig | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[Classifier, dict]:
@@ -80,13 +76,13 @@ def train_classifier(
         total = 0.0
         for start in range(0, len(train), cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
-            xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
+            xb, yb = (t.to(device) for t in train.take(idx))
             loss = loss_fn(clf(xb), yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
-            total += loss.item() * len(idx)
+            total += loss.item() * len(yb)
         losses.append(total / len(train))
     clf.eval()
     meta = {

@@ -58,10 +58,10 @@ def test_rotation_by_0_and_360_is_identity_and_90_is_rot90():
 def test_synthetic_ood_takes_reference_shape():
     ref = load_data("digits:test", limit=50)
     for spec in ("noise:uniform", "noise:gaussian", "patches"):
-        ood = synthetic_ood(spec, ref, 20, seed=0)
-        assert ood.x.shape == (20, 1, 8, 8) and ood.x.min() >= 0 and ood.x.max() <= 1
+        x = synthetic_ood(spec, ref, 20, seed=0).inputs(slice(None))
+        assert x.shape == (20, 1, 8, 8) and x.min() >= 0 and x.max() <= 1
     rgb = ArrayData(torch.rand(5, 3, 32, 32), None, ["a"], {"spec": "r"})
-    assert synthetic_ood("patches", rgb, 4).x.shape == (4, 3, 32, 32)
+    assert synthetic_ood("patches", rgb, 4).inputs(slice(None)).shape == (4, 3, 32, 32)
 
 
 def test_fgsm_identity_at_zero_and_raises_loss(digits_ckpt):

@@ -123,10 +123,11 @@ def test_imagefolder_images_of_different_sizes_are_resized_each_at_its_own_aspec
         Image.fromarray(arr).save(tmp_path / cls / "img.png")
     pre = Preprocess(resize=16, crop=16)
     data = load_data(f"imagefolder:{tmp_path}", preprocess=pre)
-    assert data.x.shape == (2, 3, 16, 16)
+    x = data.inputs(slice(None))
+    assert x.shape == (2, 3, 16, 16)
     from torchvision.transforms.v2 import functional as tvf
 
     for i, cls in enumerate("ab"):
         img = torch.from_numpy(np.array(Image.open(tmp_path / cls / "img.png"))).permute(2, 0, 1)
         direct = tvf.center_crop(tvf.resize(img[None].float() / 255, [16], antialias=True), [16]).clamp(0, 1)
-        assert_close(data.x[i], direct[0], atol=1e-6, what=f"image {cls}")
+        assert_close(x[i], direct[0], atol=1e-6, what=f"image {cls}")

@@ -17,7 +17,7 @@ from bayescli.options import Interpolation, PreprocessPreset
 if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must not load torch
     import torch
 
-    from bayescli.data import ArrayData
+    from bayescli.data import Data
     from bayescli.models import LoadedModel
     from bayescli.posterior.base import Posterior
     from bayescli.preprocess import Preprocess
@@ -34,6 +34,17 @@ Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSO
 DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.")]
 Download = Annotated[bool, typer.Option("--download", help="Download torchvision datasets if missing.")]
 Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.")]
+NumWorkers = Annotated[
+    int, typer.Option(min=0, help="DataLoader processes that read, decode and resize images (0: none).")
+]
+SkipUnreadable = Annotated[
+    bool,
+    typer.Option(
+        "--skip-unreadable",
+        help="Skip image files that cannot be decoded (counted and listed in the output); "
+        "default: stop, naming the file.",
+    ),
+]
 CheckpointOverride = Annotated[
     Path | None, typer.Option(help="Override the checkpoint path recorded in the posterior.")
 ]
@@ -76,11 +87,27 @@ def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
 
 
 def load(
-    spec: str, root: Path, download: bool, limit: int | None, seed: int, preprocess: Preprocess | None = None
-) -> ArrayData:
+    spec: str,
+    root: Path,
+    download: bool,
+    limit: int | None,
+    seed: int,
+    preprocess: Preprocess | None = None,
+    num_workers: int = 0,
+    skip_unreadable: bool = False,
+) -> Data:
     from bayescli.data import load_data
 
-    return load_data(spec, root=root, download=download, limit=limit, seed=seed, preprocess=preprocess)
+    return load_data(
+        spec,
+        root=root,
+        download=download,
+        limit=limit,
+        seed=seed,
+        preprocess=preprocess,
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
+    )
 
 
 def preprocess_from_options(
@@ -111,17 +138,19 @@ def load_model_and_data(
     download: bool,
     limit: int | None,
     seed: int,
-) -> tuple[LoadedModel, ArrayData]:
+    num_workers: int = 0,
+    skip_unreadable: bool = False,
+) -> tuple[LoadedModel, Data]:
     """A user's checkpoint and the fitting data, checked against each other."""
     from bayescli.models import load_classifier
 
     loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=preprocess)
-    fit_data = load(data, root, download, limit, seed, loaded.preprocess)
+    fit_data = load(data, root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
     check_labels(fit_data, loaded.classifier.num_classes)
     return loaded, fit_data
 
 
-def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: ArrayData) -> None:
+def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: Data) -> None:
     """What a posterior file must say about its model and data (``load_model`` reads it back)."""
     post.meta |= {**loaded.describe(), "class_names": loaded.class_names, "data": fit_data.info}
 
@@ -136,7 +165,7 @@ def floats(text: str | None, option: str) -> tuple[float, ...] | None:
         raise BayescliError(f"{option} takes comma-separated numbers like 0.5,0.5,0.5: '{text}'") from None
 
 
-def check_labels(data: ArrayData, num_classes: int) -> None:
+def check_labels(data: Data, num_classes: int) -> None:
     """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier."""
     if data.y is not None and len(data.y) and int(data.y.max()) >= num_classes:
         raise BayescliError(
@@ -155,6 +184,8 @@ def prepare_prediction(
     seed: int,
     batch_size: int,
     device: str,
+    num_workers: int = 0,
+    skip_unreadable: bool = False,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once."""
     from bayescli.features import extract_features
@@ -162,7 +193,7 @@ def prepare_prediction(
 
     post = load_posterior(posterior)
     model = post.load_model(checkpoint)
-    test = load(data, root, download, limit, seed, model.preprocess)
+    test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes)
     feats = extract_features(model, test, batch_size, resolve_device(device))
     model.classifier.cpu()

@@ -52,6 +52,8 @@ def evaluate_cmd(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
     device: c.Device = "auto",
     seed: c.Seed = 0,
@@ -72,6 +74,7 @@ def evaluate_cmd(
     from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.runner import EvalConfig, run_evaluation
     from bayescli.io import write_json
+    from bayescli.metrics import low_accuracy_warning
     from bayescli.posterior.base import load_posterior
     from bayescli.report import write_report
 
@@ -94,14 +97,23 @@ def evaluate_cmd(
         data_root=data_root,
         download=download,
         device=c.resolve_device(device),
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
     )
     posts = c.tagged_posteriors([load_posterior(p) for p in posterior], posterior)
     model = next(iter(posts.values())).load_model(checkpoint)
-    test = c.load(data, data_root, download, limit, seed, model.preprocess)
+    test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     c.check_labels(test, model.classifier.num_classes)
     report = run_evaluation(posts, model, test, cfg)
     report["posterior_file"] = str(posterior[0])
     report["posterior_files"] = {tag: str(p) for tag, p in zip(posts, posterior, strict=True)}
+    if report["map_accuracy"] is not None:
+        warning = low_accuracy_warning(
+            report["map_accuracy"], model.classifier.num_classes, f"the test data {data}"
+        )
+        c.warn(warning)
+    if test.skipped:
+        c.warn(f"skipped {len(test.skipped)} unreadable images of {data} (listed in the report's data)")
     outcomes = check_gates(report["results"], gates)
     if outcomes:
         report["gates"] = outcomes

@@ -58,9 +58,18 @@ def fit_laplace_cmd(
     crop: c.Crop = None,
     interpolation: c.InterpolationOpt = None,
     checkpoint_key: c.CheckpointKey = None,
+    feature_cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory caching the fitting features in shards (reused while checkpoint, head and "
+            "data match)."
+        ),
+    ] = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
     device: c.Device = "auto",
     seed: c.Seed = 0,
@@ -73,8 +82,8 @@ def fit_laplace_cmd(
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
     from bayescli.data import validation_spec
-    from bayescli.features import extract_features
-    from bayescli.metrics import accuracy, low_accuracy_warning
+    from bayescli.features import FeatureStream, extract_features
+    from bayescli.metrics import low_accuracy_warning
     from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive.tuning import tune_prior_val_nll
 
@@ -87,29 +96,37 @@ def fit_laplace_cmd(
     dev = c.resolve_device(device)
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
     loaded, fit_data = c.load_model_and_data(
-        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed
-    )
-    feats = extract_features(loaded, fit_data, batch_size, dev)
-    clf = loaded.classifier.cpu()
-    batches = list(fit_data.batches(batch_size)) if subset is Subset.ALL else None
+        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
+        num_workers, skip_unreadable,
+    )  # fmt: skip
+    # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
+    stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
+    batches = features = None
+    if subset is Subset.ALL:
+        for _ in stream:  # MAP accuracy (and the input checks) before the all-layer pass
+            pass
+        batches = fit_data.batches(batch_size)
+    else:
+        features = stream.pairs()
+    clf = loaded.classifier.cpu() if subset is Subset.ALL else loaded.classifier
     initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below
     post = fit_laplace(
         clf,
-        feats.phi,
-        feats.labels,
-        batches,
-        subset,
-        hessian,
-        curvature,
-        backend,
-        initial,
+        batches=batches,
+        subset=subset,
+        structure=hessian,
+        curvature=curvature,
+        backend=backend,
+        prior_precision=initial,
         batch_size=max(batch_size, 1024),
         seed=seed,
         refine_steps=refine_mode,
+        features=features,
     )
+    clf = loaded.classifier.cpu()
     if prior == "val-nll":
         spec = val_data or validation_spec(data)
-        val = c.load(spec, data_root, download, None, seed, loaded.preprocess)
+        val = c.load(spec, data_root, download, None, seed, loaded.preprocess, num_workers, skip_unreadable)
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
         tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
@@ -127,12 +144,17 @@ def fit_laplace_cmd(
         "prior_method": post.meta["prior"]["method"],
         "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
         "fit_seconds": post.meta["fit_seconds"],
-        "forward_seconds": feats.seconds,
+        "forward_seconds": stream.seconds,
         "preprocess": loaded.preprocess.source,
         **{k: v for k, v in loaded.source.items() if v},
     }
-    if feats.labels is not None:
-        summary["map_accuracy"] = accuracy(feats.logits, feats.labels)
+    if fit_data.skipped:
+        summary["skipped_unreadable"] = len(fit_data.skipped)
+        c.warn(
+            f"skipped {len(fit_data.skipped)} unreadable images of {data} (listed in the posterior's data)"
+        )
+    if stream.accuracy is not None:
+        summary["map_accuracy"] = stream.accuracy
         c.warn(low_accuracy_warning(summary["map_accuracy"], clf.num_classes, f"the fitting data {data}"))
     c.warn(post.meta["prior"].get("warning"))
     if "refinement" in post.meta:

@@ -106,6 +106,8 @@ def predict_cmd(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
     device: c.Device = "auto",
     seed: c.Seed = 0,
@@ -134,13 +136,33 @@ def predict_cmd(
     if save_logits and (out is None or out.suffix != ".safetensors"):
         raise typer.BadParameter("--save-logits needs --out FILE.safetensors", param_hint="--save-logits")
     post, model, test, feats = c.prepare_prediction(
-        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
+        posterior,
+        checkpoint,
+        data,
+        data_root,
+        download,
+        limit,
+        seed,
+        batch_size,
+        device,
+        num_workers,
+        skip_unreadable,
     )
     ggp = None
     if predictive is Predictive.GGP:
         refine = ggp_mode is GGPMode.REFINED
         ggp = fit_ggp(
-            post, model, ggp_points, refine, data_root, download, seed, batch_size, c.resolve_device(device)
+            post,
+            model,
+            ggp_points,
+            refine,
+            data_root,
+            download,
+            seed,
+            batch_size,
+            c.resolve_device(device),
+            num_workers=num_workers,
+            skip_unreadable=skip_unreadable,
         )
     pred = predict(
         post,

@@ -25,6 +25,8 @@ def topk_cmd(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
     device: c.Device = "auto",
     seed: c.Seed = 0,
@@ -42,7 +44,17 @@ def topk_cmd(
 
     c.setup(quiet, as_json, seed)
     post, model, test, feats = c.prepare_prediction(
-        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
+        posterior,
+        checkpoint,
+        data,
+        data_root,
+        download,
+        limit,
+        seed,
+        batch_size,
+        device,
+        num_workers,
+        skip_unreadable,
     )
     pred = predict(
         post,

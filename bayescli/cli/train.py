@@ -77,6 +77,8 @@ def train(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -101,9 +103,13 @@ def train(
         raise typer.BadParameter("--set applies to VI methods", param_hint="--set")
     if posterior_out is not None and posterior_out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")
-    train_data = c.load(data, data_root, download, limit, seed)
+    train_data = c.load(data, data_root, download, limit, seed, None, num_workers, skip_unreadable)
     val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
-    val_data = c.load(val_spec, data_root, download, None, seed) if val_spec else None
+    val_data = (
+        c.load(val_spec, data_root, download, None, seed, None, num_workers, skip_unreadable)
+        if val_spec
+        else None
+    )
     given = {"epochs": epochs, "lr": lr, "batch_size": batch_size}
     given = {k: v for k, v in given.items() if v is not None}
     dev = c.resolve_device(device)

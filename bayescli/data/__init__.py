@@ -1,6 +1,6 @@
-"""Data specs (``--data NAME[:split]``) and in-memory datasets in pixel space."""
+"""Data specs (``--data NAME[:split]``) and lazy datasets in pixel space, read batch by batch."""
 
-from bayescli.data.base import ArrayData
+from bayescli.data.base import ArrayData, Data
 from bayescli.data.registry import DATASETS, DataSpec, load_data, validation_spec
 
-__all__ = ["DATASETS", "ArrayData", "DataSpec", "load_data", "validation_spec"]
+__all__ = ["DATASETS", "ArrayData", "Data", "DataSpec", "load_data", "validation_spec"]

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bayescli.data.base import Source
 from bayescli.errors import BayescliError
 
 CORRUPTIONS = (
@@ -525,23 +526,54 @@ def parse_severities(text: str) -> list[int]:
     return values
 
 
-def load_official(root: Path, name: str, severity: int, rows: torch.Tensor, n_test: int) -> torch.Tensor:
-    """Corrupted images ``[len(rows), C, H, W]`` uint8 from an official CIFAR-C / MNIST-C folder.
-
-    ``rows`` index the clean test set (of size ``n_test``) that the corrupted blocks mirror.
-    """
+def _official_block(root: Path, name: str, severity: int, n_test: int) -> tuple[Path, np.ndarray]:
+    """The file holding ``name`` and its block of ``n_test`` images at ``severity`` (memory-mapped)."""
     flat, nested = root / f"{name}.npy", root / name / "test_images.npy"
     path = flat if flat.is_file() else nested
     if not path.is_file():
         raise BayescliError(f"no {flat.name} or {name}/test_images.npy under {root}; check --corruption-root")
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
     if len(arr) == 5 * n_test:
-        block = arr[(severity - 1) * n_test : severity * n_test]
-    elif len(arr) == n_test:
-        block = arr  # a single-severity set (MNIST-C): the same images for every severity
-    else:
-        raise BayescliError(
-            f"{path} has {len(arr)} images; expected {n_test} or 5×{n_test} to match the test set"
-        )
-    imgs = torch.from_numpy(np.ascontiguousarray(block[rows.numpy()]))
+        return path, arr[(severity - 1) * n_test : severity * n_test]
+    if len(arr) == n_test:
+        return path, arr  # a single-severity set (MNIST-C): the same images for every severity
+    raise BayescliError(
+        f"{path} has {len(arr)} images; expected {n_test} or 5×{n_test} to match the test set"
+    )
+
+
+def _channels_first(imgs: torch.Tensor) -> torch.Tensor:
     return imgs.unsqueeze(1) if imgs.dim() == 3 else imgs.permute(0, 3, 1, 2).contiguous()
+
+
+def load_official(root: Path, name: str, severity: int, rows: torch.Tensor, n_test: int) -> torch.Tensor:
+    """Corrupted images ``[len(rows), C, H, W]`` uint8 from an official CIFAR-C / MNIST-C folder.
+
+    ``rows`` index the clean test set (of size ``n_test``) that the corrupted blocks mirror.
+    """
+    _, block = _official_block(root, name, severity, n_test)
+    return _channels_first(torch.from_numpy(np.ascontiguousarray(block[rows.numpy()])))
+
+
+class OfficialSource(Source):
+    """One severity block of an official corrupted set, memory-mapped: rows are read on demand."""
+
+    def __init__(self, root: Path, name: str, severity: int, n_test: int) -> None:
+        super().__init__()
+        self.args = (root, name, severity, n_test)
+        path, block = _official_block(root, name, severity, n_test)
+        self.labels, self.n = None, len(block)
+        self.shape = tuple(_channels_first(torch.zeros(1, *block.shape[1:])).shape[1:])
+        self._block: np.ndarray | None = block
+
+    def __getstate__(self) -> dict:  # workers started by spawn map the file themselves
+        return {**self.__dict__, "_block": None}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load_many(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+        if self._block is None:
+            self._block = _official_block(*self.args)[1]
+        imgs = _channels_first(torch.from_numpy(np.ascontiguousarray(self._block[rows.numpy()])))
+        return (imgs.float().div_(255.0) if imgs.dtype == torch.uint8 else imgs.float()), rows, []

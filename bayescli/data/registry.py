@@ -1,4 +1,4 @@
-"""``--data NAME[:split][[lo:hi]]``: parse a data spec and load it as :class:`ArrayData`.
+"""``--data NAME[:split][[lo:hi]]``: parse a data spec and load it as a lazy :class:`Data` view.
 
 Splits are deterministic: ``digits``, ``npz:`` and ``imagefolder:`` are split 70/10/20
 (train/val/test) by a seeded permutation; the torchvision sets keep their official test set
@@ -6,6 +6,7 @@ and hold out a seeded 10% of the official training set as ``val``. ``idx:DIR`` (
 MNIST's IDX format) has official splits when DIR holds both ``train-*`` and ``t10k-*`` files, and
 is one source split 70/10/20 otherwise. Every split records its seed. A trailing index range
 ``[lo:hi]`` (Python slice syntax) keeps those rows of the split, e.g. ``mnist:test[:5000]``.
+Splits, ranges and ``--limit`` are index maps over the stored set: no pixels are read to make them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bayescli.data import sources
-from bayescli.data.base import ArrayData
+from bayescli.data.base import Data
 from bayescli.errors import BayescliError
 from bayescli.preprocess import Preprocess
 
@@ -92,7 +93,7 @@ def _seeded_split(n: int, split: str, seed: int) -> torch.Tensor:
     return perm[int(round(lo * n)) : int(round(hi * n))].sort().values
 
 
-def _split_whole(data: ArrayData, split: str | None, seed: int) -> ArrayData:
+def _split_whole(data: Data, split: str | None, seed: int) -> Data:
     """70/10/20 seeded split of a source without official splits."""
     if split is None:
         return data.subset(torch.arange(len(data)), split="all")
@@ -102,13 +103,13 @@ def _split_whole(data: ArrayData, split: str | None, seed: int) -> ArrayData:
     )
 
 
-Loader = Callable[[Path, bool, bool], ArrayData]  # (root, train, download) -> data
+Loader = Callable[[Path, bool, bool], Data]  # (root, train, download) -> data
 
 
-def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int, Preprocess], ArrayData]:
+def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int, Preprocess], Data]:
     """Wrap a train/test loader: ``val`` is a seeded 10% of the official training set."""
 
-    def load(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+    def load(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
         split = spec.split or "test"
         if split == "test":
             full = loader(root, False, download)
@@ -122,15 +123,15 @@ def _official(loader: Loader) -> Callable[[DataSpec, Path, bool, int, Preprocess
     return load
 
 
-def _digits(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+def _digits(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
     return _split_whole(sources.digits(), spec.split or "test", seed)
 
 
-def _npz(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+def _npz(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
     return _split_whole(sources.npz(Path(spec.path)), spec.split, seed)
 
 
-def _idx(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+def _idx(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
     folder = Path(spec.path)
     if not folder.is_dir():
         raise BayescliError(f"idx folder not found: {folder}")
@@ -149,11 +150,11 @@ def _idx(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess)
     )
 
 
-def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> ArrayData:
+def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
     return _split_whole(sources.imagefolder(Path(spec.path), pre), spec.split, seed)
 
 
-DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], ArrayData]] = {
+DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "digits": _digits,
     "mnist": _official(sources.mnist_family("mnist")),
     "fashion-mnist": _official(sources.mnist_family("fashion-mnist")),
@@ -175,18 +176,25 @@ def load_data(
     seed: int = 0,
     split_seed: int = DEFAULT_SPLIT_SEED,
     preprocess: Preprocess | None = None,
-) -> ArrayData:
-    """Load ``spec`` (e.g. ``digits:test``, ``cifar10:train``, ``npz:batch.npz``).
+    num_workers: int = 0,
+    skip_unreadable: bool = False,
+) -> Data:
+    """Load ``spec`` (e.g. ``digits:test``, ``cifar10:train``, ``npz:batch.npz``) as a lazy view.
 
     ``limit`` keeps a seeded random subset of that many rows (``seed``); ``split_seed`` fixes the
-    train/val/test partition; ``preprocess`` resizes and centre-crops the images in pixel space
-    (image folders image by image, at their own sizes). Non-finite inputs raise
-    :class:`BayescliError`.
+    train/val/test partition; ``preprocess`` resizes and centre-crops the images in pixel space,
+    image by image while iterating (image folders at their own sizes). ``num_workers`` is the
+    number of ``DataLoader`` processes that read and decode; ``skip_unreadable`` skips image files
+    that cannot be decoded (recorded in ``info["unreadable"]``) instead of stopping. Non-finite
+    in-memory inputs raise :class:`BayescliError`.
     """
+    if num_workers < 0:
+        raise BayescliError(f"--num-workers must be 0 or more, got {num_workers}")
     parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
     pre = preprocess or Preprocess()
     data = DATASETS[parsed.name](parsed, Path(root), download, split_seed, pre)
     data.info = {"spec": str(parsed), **data.info}
+    data.num_workers, data.skip_unreadable = num_workers, skip_unreadable
     if parsed.rows is not None:
         lo, hi = parsed.rows
         data = data.subset(slice(lo, hi), rows=[lo, hi], rows_of=len(data))
@@ -198,7 +206,7 @@ def load_data(
             idx = torch.randperm(len(data), generator=gen)[:limit].sort().values
             data = data.subset(idx, limit=limit, limit_seed=seed)
     if pre.changes_pixels and not data.info.get("preprocessed"):
-        data = data.map_inputs(pre.pixels)
+        data = data.map_inputs(pre.pixels, shape=pre.output_shape(data.input_shape))
     data.check_finite()
     if len(data) == 0:
         raise BayescliError(f"{parsed} is empty")

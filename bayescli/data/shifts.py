@@ -4,9 +4,10 @@
   bilinear, zero fill (Ovadia et al., 2019); multiples of 360° return ``x`` unchanged.
 * ``synthetic_ood(spec, reference, n, seed)``: OOD sets that need no download and take the
   reference set's input shape — ``noise:uniform`` (U[0, 1] pixels), ``noise:gaussian``
-  (per-channel mean and std of the reference data, clipped to [0, 1]) and ``patches`` (random
-  crops of the natural photographs bundled with scikit-learn, resized to the input size and
-  converted to its channel count).
+  (per-channel mean and std of the first 5,000 reference inputs, clipped to [0, 1]) and
+  ``patches`` (random crops of the natural photographs bundled with scikit-learn, resized to the
+  input size and converted to its channel count). Inputs are generated item by item while
+  iterating, each from a generator seeded by ``(seed, row)``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bayescli.data.base import ArrayData
+from bayescli.data.base import Data, Source
 from bayescli.errors import BayescliError
 
 SYNTHETIC_OOD = ("noise:uniform", "noise:gaussian", "patches")
@@ -46,41 +47,68 @@ def parse_angles(text: str) -> list[float]:
         raise BayescliError(f"--rotation must look like 0:180:15 or 0,90,180; got '{text}'") from None
 
 
-def _patches(reference: ArrayData, n: int, gen: torch.Generator) -> torch.Tensor:
-    from sklearn.datasets import load_sample_images
+class SyntheticSource(Source):
+    """``n`` generated inputs of ``shape``; item ``i`` comes from its own generator seeded by
+    ``(seed, i)``, so any row can be produced alone, in any worker, always the same."""
 
-    photos = [torch.tensor(img).permute(2, 0, 1).float() / 255 for img in load_sample_images().images]
-    c, h, w = reference.input_shape
-    out = []
-    for _ in range(n):
-        photo = photos[int(torch.randint(len(photos), (1,), generator=gen))]
+    def __init__(
+        self,
+        kind: str,
+        n: int,
+        shape: tuple[int, ...],
+        seed: int,
+        mean: torch.Tensor | None = None,
+        std: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.kind, self.n, self.shape, self.seed = kind, n, tuple(shape), seed
+        self.mean, self.std, self.labels = mean, std, None
+        self.photos: list[torch.Tensor] = []
+        if kind == "patches":
+            if len(self.shape) != 3:
+                raise BayescliError("patches need image inputs [C, H, W]")
+            if self.shape[0] not in (1, 3):
+                raise BayescliError(
+                    f"patches need 1- or 3-channel images, the data has {self.shape[0]} channels"
+                )
+            from sklearn.datasets import load_sample_images
+
+            self.photos = [
+                torch.tensor(img).permute(2, 0, 1).float() / 255 for img in load_sample_images().images
+            ]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, row: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + row) % (2**63))
+        if self.kind == "noise:uniform":
+            return torch.rand(self.shape, generator=gen)
+        if self.kind == "noise:gaussian":
+            return (self.mean + self.std * torch.randn(self.shape, generator=gen)).clamp(0, 1)
+        return self._patch(gen)
+
+    def _patch(self, gen: torch.Generator) -> torch.Tensor:
+        """A random square crop (32–128 px) of a bundled photograph, resized to the input size."""
+        photo = self.photos[int(torch.randint(len(self.photos), (1,), generator=gen))]
         side = int(torch.randint(32, 129, (1,), generator=gen))
         top = int(torch.randint(photo.shape[1] - side + 1, (1,), generator=gen))
         left = int(torch.randint(photo.shape[2] - side + 1, (1,), generator=gen))
-        out.append(photo[:, top : top + side, left : left + side])
-    patches = torch.stack([F.interpolate(p[None], size=(h, w), mode="area")[0] for p in out])
-    if c == 1:
-        patches = (patches * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
-    elif c != 3:
-        raise BayescliError(f"patches need 1- or 3-channel images, the data has {c} channels")
-    return patches.clamp(0, 1)
+        crop = photo[None, :, top : top + side, left : left + side]
+        patch = F.interpolate(crop, size=self.shape[1:], mode="area")[0]
+        if self.shape[0] == 1:
+            patch = (patch * torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)).sum(0, keepdim=True)
+        return patch.clamp(0, 1)
 
 
-def synthetic_ood(spec: str, reference: ArrayData, n: int, seed: int = 0) -> ArrayData:
-    """``n`` synthetic OOD inputs shaped like ``reference``'s (see module docs)."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = reference.input_shape
-    if spec == "noise:uniform":
-        x = torch.rand(n, *shape, generator=gen)
-    elif spec == "noise:gaussian":
-        ref = reference.inputs(slice(0, 5000))
-        dims = [0, 2, 3] if ref.dim() == 4 else [0]
-        mean, std = ref.mean(dims, keepdim=True), ref.std(dims, keepdim=True)
-        x = (mean + std * torch.randn(n, *shape, generator=gen)).clamp(0, 1)
-    elif spec == "patches":
-        if len(shape) != 3:
-            raise BayescliError("patches need image inputs [C, H, W]")
-        x = _patches(reference, n, gen)
-    else:
+def synthetic_ood(spec: str, reference: Data, n: int, seed: int = 0) -> Data:
+    """``n`` synthetic OOD inputs shaped like ``reference``'s (see module docs), generated lazily."""
+    if spec not in SYNTHETIC_OOD:
         raise BayescliError(f"unknown synthetic OOD '{spec}'; use one of {', '.join(SYNTHETIC_OOD)}")
-    return ArrayData(x, None, reference.class_names, {"spec": spec, "n": n, "seed": seed, "synthetic": True})
+    mean = std = None
+    if spec == "noise:gaussian":
+        shape = (-1, 1, 1) if len(reference.input_shape) == 3 else tuple(reference.input_shape)
+        mean, std = (m.float().reshape(shape) for m in reference.channel_moments(5000))
+    source = SyntheticSource(spec, n, reference.input_shape, seed, mean, std)
+    info = {"spec": spec, "n": n, "seed": seed, "synthetic": True}
+    return Data(source, reference.class_names, info, num_workers=reference.num_workers)

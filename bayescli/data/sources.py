@@ -1,4 +1,9 @@
-"""Readers for each data source, returning whole sets as :class:`ArrayData`.
+"""Readers for each data source, returning a :class:`~bayescli.data.base.Data` per stored split.
+
+Small sets are held in memory as uint8 (digits, ``.npz``, IDX, SVHN's ``.mat`` whose variables are
+compressed, CIFAR's pickled python version); CIFAR's binary version is memory-mapped record by
+record and image folders are decoded file by file, so neither is ever loaded whole. Each split is
+read from its own files: a root holding only the test files serves ``:test``.
 
 torchvision does the downloading (``--download``); reading is done here where torchvision would
 insist on checksums of the files (CIFAR, SVHN) so that files in the official formats load
@@ -16,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bayescli.data.base import ArrayData
+from bayescli.data.base import ArrayData, Data, Source, UnreadableItem
 from bayescli.errors import BayescliError
 from bayescli.preprocess import Preprocess
 
@@ -64,44 +69,81 @@ def npz(path: Path) -> ArrayData:
     return ArrayData(x, y, names or [str(i) for i in range(k)], {"source": str(path)})
 
 
-def imagefolder(path: Path, pre: Preprocess | None = None) -> ArrayData:
-    """A torchvision ``ImageFolder`` tree (``root/class/img.png``).
+def decode_image(path: str) -> torch.Tensor:
+    """The RGB pixels ``[3, H, W]`` uint8 of an image file; raises :class:`UnreadableItem` if it cannot."""
+    from PIL import Image
 
-    With a preprocess that resizes/crops, each image is resized and cropped at its own size
-    (aspect ratio kept); without one, images are resized to the first image's size.
+    try:
+        with Image.open(path) as im:
+            arr = np.array(im.convert("RGB"))
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
+        raise UnreadableItem(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    return torch.from_numpy(arr).permute(2, 0, 1)
+
+
+def _header_size(paths: list[str]) -> tuple[int, int]:
+    """``(H, W)`` of the first image whose header can be read (no pixels are decoded)."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                return im.size[1], im.size[0]
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
+            continue
+    raise BayescliError(f"none of the {len(paths)} images under {Path(paths[0]).parent.parent} can be read")
+
+
+class ImageFolderSource(Source):
+    """Image files decoded on demand (in the ``DataLoader`` workers), each resized and cropped by
+    ``pre`` at its own size and then, if its size still differs, resized to ``size``."""
+
+    def __init__(self, paths: list[str], labels: torch.Tensor, size: tuple[int, int], pre: Preprocess | None):
+        super().__init__()
+        self.paths, self.labels, self.pre = paths, labels, pre
+        self.size = (int(size[0]), int(size[1]))
+        self.shape = (3, *self.size)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load(self, row: int) -> torch.Tensor:
+        from torchvision.transforms.v2.functional import resize
+
+        t = decode_image(self.paths[row]).float().div_(255.0)
+        if self.pre is not None:
+            t = self.pre.pixels(t[None])[0]
+        if tuple(t.shape[1:]) != self.size:
+            t = resize(t, list(self.size), antialias=True).clamp_(0.0, 1.0)
+        return t
+
+
+def imagefolder(path: Path, pre: Preprocess | None = None) -> Data:
+    """A torchvision ``ImageFolder`` tree (``root/class/img.png``), listed now and decoded lazily.
+
+    Files are sorted within sorted class folders. With a preprocess that resizes/crops, each image
+    is resized and cropped at its own size (aspect ratio kept); without one, images are resized to
+    the first image's size (read from its header).
     """
-    from torchvision.datasets import ImageFolder
-    from torchvision.transforms.functional import pil_to_tensor, resize
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
     if not path.is_dir():
         raise BayescliError(f"image folder not found: {path}")
     try:
-        folder = ImageFolder(str(path), loader=lambda p: _open_rgb(p))
+        classes, class_to_idx = find_classes(str(path))
+        samples = make_dataset(str(path), class_to_idx, extensions=IMG_EXTENSIONS)
     except (FileNotFoundError, RuntimeError) as exc:
         raise BayescliError(f"{path}: {exc}") from None
-    images, size = [], None
-    for img_path, _ in folder.samples:
-        t = pil_to_tensor(_open_rgb(img_path))
-        if pre is not None and pre.changes_pixels:
-            t = pre.pixels(t[None].float() / 255.0)[0]
-        size = size or tuple(t.shape[1:])
-        images.append(t if tuple(t.shape[1:]) == size else resize(t, list(size), antialias=True))
-    x = torch.stack(images)
-    y = torch.tensor(folder.targets, dtype=torch.int64)
-    info = {"source": str(path), "image_size": list(size)}
-    if pre is not None and pre.changes_pixels:
+    paths = [p for p, _ in samples]
+    labels = torch.tensor([c for _, c in samples], dtype=torch.int64)
+    pre = pre if pre is not None and pre.changes_pixels else None
+    size = _header_size(paths)
+    if pre is not None:
+        size = tuple(pre.pixels(torch.zeros(1, 1, *size)).shape[-2:])
+    info: dict = {"source": str(path), "image_size": list(size)}
+    if pre is not None:
         info["preprocessed"] = True
-    return ArrayData(x, y, list(folder.classes), info)
-
-
-def _open_rgb(path: str):  # noqa: ANN202 - PIL image
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
-        raise BayescliError(f"cannot read image {path} ({exc})") from None
+    return Data(ImageFolderSource(paths, labels, size, pre), list(classes), info)
 
 
 _MNIST_CLASSES = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "kmnist": "KMNIST"}
@@ -191,15 +233,44 @@ def _md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def _read_cifar_binary(files: list[Path], label_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    record = label_bytes + 3072
-    raw = np.concatenate([np.fromfile(f, dtype=np.uint8) for f in files])
-    if raw.size % record:
-        raise BayescliError(f"{files[0].parent} holds truncated CIFAR binary files; re-download them")
-    raw = raw.reshape(-1, record)
-    x = torch.from_numpy(raw[:, label_bytes:].reshape(-1, 3, 32, 32).copy())
-    y = torch.from_numpy(raw[:, label_bytes - 1].astype(np.int64))  # fine label is the last label byte
-    return x, y
+class CifarBinarySource(Source):
+    """CIFAR binary records (label byte(s) + 3072 pixel bytes), memory-mapped: rows are read on demand."""
+
+    shape = (3, 32, 32)
+
+    def __init__(self, files: list[Path], label_bytes: int) -> None:
+        super().__init__()
+        self.files, self.label_bytes, self.record = [str(f) for f in files], label_bytes, label_bytes + 3072
+        sizes = [f.stat().st_size for f in files]
+        if any(size % self.record for size in sizes):
+            raise BayescliError(f"{files[0].parent} holds truncated CIFAR binary files; re-download them")
+        self.ends = np.cumsum([size // self.record for size in sizes])
+        self._maps: list[np.ndarray] | None = None
+        # fine label = the last label byte; reading this column pages the files through once
+        self.labels = torch.from_numpy(
+            np.concatenate([m[:, label_bytes - 1].astype(np.int64) for m in self._mapped()])
+        )
+
+    def _mapped(self) -> list[np.ndarray]:
+        if self._maps is None:
+            self._maps = [np.memmap(f, np.uint8, "r").reshape(-1, self.record) for f in self.files]
+        return self._maps
+
+    def __getstate__(self) -> dict:  # workers started by spawn map the files themselves
+        return {**self.__dict__, "_maps": None}
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def load_many(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+        r = rows.numpy()
+        which = np.searchsorted(self.ends, r, side="right")
+        starts = np.concatenate([[0], self.ends[:-1]])
+        out = np.empty((len(r), 3072), np.uint8)
+        for f in np.unique(which):
+            sel = which == f
+            out[sel] = self._mapped()[f][r[sel] - starts[f], self.label_bytes :]
+        return torch.from_numpy(out).reshape(-1, 3, 32, 32).float().div_(255.0), rows, []
 
 
 def _read_cifar_python(
@@ -220,7 +291,7 @@ def _read_cifar_python(
     return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
 
 
-def _cifar(root: Path, train: bool, download: bool, hundred: bool) -> ArrayData:
+def _cifar(root: Path, train: bool, download: bool, hundred: bool) -> Data:
     import torchvision.datasets as tvd
 
     name = "cifar100" if hundred else "cifar10"
@@ -236,35 +307,38 @@ def _cifar(root: Path, train: bool, download: bool, hundred: bool) -> ArrayData:
         )
         names_file = bin_dir / "batches.meta.txt"
     if all(f.is_file() for f in bin_files):
-        x, y = _read_cifar_binary(bin_files, 2 if hundred else 1)
         names = (
             names_file.read_text().split()
             if names_file.is_file()
             else [str(i) for i in range(100 if hundred else 10)]
         )
-        source = f"{bin_dir} (binary version)"
-    else:
-        if download and not py_dir.is_dir():
-            cls(str(root), train=train, download=True)
-        files = cls.train_list if train else cls.test_list
-        if not all((py_dir / f).is_file() for f, _ in files):
-            raise _missing(name, root, f"{bin_dir.name}/ or {py_dir.name}/")
-        x, y = _read_cifar_python(files, py_dir, "fine_labels" if hundred else "labels")
-        meta = py_dir / cls.meta["filename"]
-        names = [str(i) for i in range(100 if hundred else 10)]
-        if meta.is_file() and _md5(meta) == cls.meta["md5"]:
-            with open(meta, "rb") as f:
-                names = list(pickle.load(f, encoding="latin1")[cls.meta["key"]])  # verified above
-        source = f"{py_dir} (python version, MD5 verified)"
-    return ArrayData(x, y, names, {"source": source})
+        return Data(
+            CifarBinarySource(bin_files, 2 if hundred else 1),
+            names,
+            {"source": f"{bin_dir} (binary version)"},
+        )
+    files = cls.train_list if train else cls.test_list
+    if download and not all((py_dir / f).is_file() for f, _ in files):
+        cls(str(root), train=train, download=True)
+    if not all((py_dir / f).is_file() for f, _ in files):
+        split_files = ", ".join(f.name for f in bin_files)
+        raise _missing(name, root, f"{bin_dir.name}/{{{split_files}}} or {py_dir.name}/")
+    # the pickled version cannot be read record by record: this split is held in memory (uint8)
+    x, y = _read_cifar_python(files, py_dir, "fine_labels" if hundred else "labels")
+    meta = py_dir / cls.meta["filename"]
+    names = [str(i) for i in range(100 if hundred else 10)]
+    if meta.is_file() and _md5(meta) == cls.meta["md5"]:
+        with open(meta, "rb") as f:
+            names = list(pickle.load(f, encoding="latin1")[cls.meta["key"]])  # verified above
+    return ArrayData(x, y, names, {"source": f"{py_dir} (python version, MD5 verified)"})
 
 
-def cifar10(root: Path, train: bool, download: bool) -> ArrayData:
+def cifar10(root: Path, train: bool, download: bool) -> Data:
     """CIFAR-10: ``[N, 3, 32, 32]`` uint8 from the binary or (checksum-verified) python version."""
     return _cifar(root, train, download, hundred=False)
 
 
-def cifar100(root: Path, train: bool, download: bool) -> ArrayData:
+def cifar100(root: Path, train: bool, download: bool) -> Data:
     """CIFAR-100 (fine labels), as :func:`cifar10`."""
     return _cifar(root, train, download, hundred=True)
 

@@ -52,11 +52,6 @@ class Curvature:
     full: torch.Tensor | None = None
 
 
-def _batches(n: int, batch_size: int) -> Iterator[slice]:
-    for start in range(0, n, batch_size):
-        yield slice(start, start + batch_size)
-
-
 def _residual(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return probs - nn.functional.one_hot(labels, probs.shape[-1]).to(probs.dtype)
 
@@ -128,6 +123,128 @@ def _backpack_batch(
     return (value.detach().clone(),)
 
 
+class CurvatureAccumulator:
+    """Last-layer curvature and log-likelihood of the head ``f = W̃ φ̃`` summed batch by batch.
+
+    ``update(phi_aug [B, D+1], labels [B] or None)`` any number of times, then :meth:`finish`.
+    Rows are regrouped into chunks of exactly ``batch_size`` before they are summed, so the
+    result does not depend on how the stream was batched: a streamed fit equals the in-memory one
+    (:func:`last_layer_curvature`) to the last bit. Memory: one chunk of ``φ̃`` plus the factors.
+    The log-likelihood ``Σ log softmax(W̃φ̃)_y`` (float64) is summed alongside while every batch
+    has labels.
+    """
+
+    def __init__(
+        self,
+        weight_aug: torch.Tensor,
+        structure: HessianStructure = HessianStructure.KRON,
+        curvature: CurvatureType = CurvatureType.GGN,
+        backend: Backend = Backend.AUTO,
+        batch_size: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        structure, curvature, backend = (
+            HessianStructure(structure),
+            CurvatureType(curvature),
+            Backend(backend),
+        )
+        k = weight_aug.shape[0]
+        if structure is HessianStructure.FULL and k * weight_aug.shape[1] > 20_000:
+            raise BayescliError(
+                f"--hessian full on a {weight_aug.shape[1] - 1}→{k} head has {k * weight_aug.shape[1]:,} "
+                "parameters (limit 20,000); use --hessian kron or --hessian diag"
+            )
+        if backend is Backend.AUTO:
+            backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
+        if backend is Backend.BACKPACK and structure is HessianStructure.FULL:
+            backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
+        self.structure, self.curvature, self.backend = structure, curvature, backend
+        self.batch_size = batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        weight_aug = weight_aug.detach()
+        if structure is HessianStructure.FULL:
+            weight_aug = weight_aug.double()  # its eigendecomposition needs the accuracy
+        self.weight = weight_aug
+        if backend is Backend.BACKPACK:
+            from backpack import extend
+
+            torch.manual_seed(seed)  # BackPACK's MC extensions draw from the global generator
+            self.lin = extend(nn.Linear(weight_aug.shape[1], k, bias=False).to(weight_aug))
+            self.lin.weight.data.copy_(weight_aug)
+            self.loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
+        self.totals: list[torch.Tensor] | None = None
+        self.n = 0
+        self.log_lik = torch.zeros((), dtype=torch.float64)
+        self.labelled = True
+        self._phi: list[torch.Tensor] = []
+        self._labels: list[torch.Tensor | None] = []
+        self._buffered = 0
+
+    def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Add a batch of features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head)."""
+        if labels is None:
+            if self.curvature is CurvatureType.EF:
+                raise BayescliError("--curvature ef needs labelled fitting data")
+            self.labelled = False
+        self._phi.append(phi_aug)
+        self._labels.append(labels)
+        self._buffered += len(phi_aug)
+        while self._buffered >= self.batch_size:
+            self._drain(self.batch_size)
+
+    def _drain(self, rows: int) -> None:
+        phi = torch.cat(self._phi) if len(self._phi) > 1 else self._phi[0]
+        labels = (
+            None
+            if not self.labelled
+            else torch.cat(self._labels)
+            if len(self._labels) > 1
+            else self._labels[0]
+        )
+        self._chunk(phi[:rows], None if labels is None else labels[:rows])
+        rest = len(phi) - rows
+        self._phi = [phi[rows:]] if rest else []
+        self._labels = [None if labels is None else labels[rows:]] if rest else []
+        self._buffered = rest
+
+    def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
+        xb = phi.to(self.weight)
+        if self.backend is Backend.BACKPACK:
+            with torch.no_grad():
+                logits = xb @ self.weight.T
+                targets = labels if labels is not None else logits.argmax(1)
+            part = _backpack_batch(self.structure, self.curvature, self.lin, self.loss_fn, xb, targets)
+        else:
+            logits = xb @ self.weight.T
+            part = _closed_form_batch(
+                self.structure, self.curvature, xb, logits.softmax(-1), labels, self.gen
+            )
+        if labels is not None:
+            self.log_lik -= nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
+        self.totals = (
+            list(part) if self.totals is None else [t + p for t, p in zip(self.totals, part, strict=True)]
+        )
+        self.n += len(xb)
+
+    def finish(self) -> Curvature:
+        """The summed curvature of every row added (``A`` of ``kron`` is the mean, see module docs)."""
+        if self._buffered:
+            self._drain(self._buffered)
+        if self.totals is None:
+            raise BayescliError("no fitting data: the feature stream was empty")
+        n, totals = self.n, self.totals
+        if self.structure is HessianStructure.DIAG:
+            return Curvature(self.structure, n, diag=totals[0])
+        if self.structure is HessianStructure.KRON:
+            return Curvature(self.structure, n, kron=(totals[0], totals[1] / n))
+        return Curvature(self.structure, n, full=totals[0])
+
+    @property
+    def log_likelihood(self) -> float | None:
+        """``Σ_n log p(y_n | x_n, W̃)`` over the rows added, or ``None`` if any batch had no labels."""
+        return float(self.log_lik) if self.labelled and self.n else None
+
+
 def last_layer_curvature(
     phi_aug: torch.Tensor,
     weight_aug: torch.Tensor,
@@ -144,49 +261,11 @@ def last_layer_curvature(
 
     Returns sums over the ``N`` inputs (``A`` of ``kron`` is the mean, see module docs).
     ``labels [N]`` are needed for ``ef``; ``ggn`` ignores them, ``ggn-mc`` samples its own.
+    The same as feeding :class:`CurvatureAccumulator` the rows in any batches.
     """
-    structure, curvature, backend = HessianStructure(structure), CurvatureType(curvature), Backend(backend)
-    n, k = len(phi_aug), weight_aug.shape[0]
-    if curvature is CurvatureType.EF and labels is None:
-        raise BayescliError("--curvature ef needs labelled fitting data")
-    if structure is HessianStructure.FULL and k * weight_aug.shape[1] > 20_000:
-        raise BayescliError(
-            f"--hessian full on a {weight_aug.shape[1] - 1}→{k} head has {k * weight_aug.shape[1]:,} "
-            "parameters (limit 20,000); use --hessian kron or --hessian diag"
-        )
-    if backend is Backend.AUTO:
-        backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
-    if backend is Backend.BACKPACK and structure is HessianStructure.FULL:
-        backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
-    gen = torch.Generator().manual_seed(seed)
-    weight_aug = weight_aug.detach()
-    if structure is HessianStructure.FULL:
-        weight_aug = weight_aug.double()  # its eigendecomposition needs the accuracy
-    if backend is Backend.BACKPACK:
-        from backpack import extend
-
-        torch.manual_seed(seed)  # BackPACK's MC extensions draw from the global generator
-        lin = extend(nn.Linear(weight_aug.shape[1], k, bias=False).to(weight_aug))
-        lin.weight.data.copy_(weight_aug)
-        loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
-    totals: list[torch.Tensor] | None = None
-    for sl in _batches(n, batch_size):
-        xb = phi_aug[sl].to(weight_aug)
-        if backend is Backend.BACKPACK:
-            with torch.no_grad():
-                targets = labels[sl] if labels is not None else (xb @ weight_aug.T).argmax(1)
-            part = _backpack_batch(structure, curvature, lin, loss_fn, xb, targets)
-        else:
-            probs = (xb @ weight_aug.T).softmax(-1)
-            part = _closed_form_batch(
-                structure, curvature, xb, probs, None if labels is None else labels[sl], gen
-            )
-        totals = list(part) if totals is None else [t + p for t, p in zip(totals, part, strict=True)]
-    if structure is HessianStructure.DIAG:
-        return Curvature(structure, n, diag=totals[0])
-    if structure is HessianStructure.KRON:
-        return Curvature(structure, n, kron=(totals[0], totals[1] / n))
-    return Curvature(structure, n, full=totals[0])
+    acc = CurvatureAccumulator(weight_aug, structure, curvature, backend, batch_size, seed)
+    acc.update(phi_aug, labels)
+    return acc.finish()
 
 
 # ---------------------------------------------------------------------------------------------

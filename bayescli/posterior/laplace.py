@@ -13,6 +13,7 @@ an isotropic prior precision (prior mean zero).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -27,10 +28,10 @@ from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import (
     Backend,
     Curvature,
+    CurvatureAccumulator,
     CurvatureType,
     HessianStructure,
     all_layer_curvature,
-    last_layer_curvature,
     network_jacobian,
 )
 from bayescli.posterior.gaussian import (
@@ -117,47 +118,89 @@ class LaplacePosterior(Posterior):
 
         ``mean`` replaces the head's own ``W̃`` as the expansion point (a refined mode).
         """
-        if not torch.isfinite(phi).all():
-            raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
-        mean = (head_parameters(head) if mean is None else mean).to(phi.dtype)
+        return cls.fit_last_layer_stream(
+            [(phi, labels)], head, structure, curvature, backend, batch_size, seed, mean
+        )
+
+    @classmethod
+    def fit_last_layer_stream(
+        cls,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+        head: nn.Linear,
+        structure: HessianStructure | str = HessianStructure.KRON,
+        curvature: CurvatureType | str = CurvatureType.GGN,
+        backend: Backend | str = Backend.AUTO,
+        batch_size: int = 1024,
+        seed: int = 0,
+        mean: torch.Tensor | None = None,
+    ) -> LaplacePosterior:
+        """Fit on a stream of ``(phi [B, D], labels [B] or None)`` batches, never holding them all.
+
+        Curvature factors and the log-likelihood are summed batch by batch
+        (:class:`~bayescli.posterior.curvature.CurvatureAccumulator`); the result equals
+        :meth:`fit_last_layer` on the concatenated batches. The dtype of the first batch sets the
+        dtype of the fit.
+        """
         bias = head.bias is not None
-        phi_aug = augment(phi) if bias else phi
-        curv = last_layer_curvature(phi_aug, mean, labels, structure, curvature, backend, batch_size, seed)
-        log_lik = None
-        if labels is not None:
-            logits = phi_aug @ mean.T
-            log_lik = -nn.functional.cross_entropy(logits.double(), labels, reduction="sum").item()
+        acc = None
+        for phi, labels in batches:
+            if not torch.isfinite(phi).all():
+                raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
+            if acc is None:
+                # on the features' device and dtype (the backbone may still sit on a GPU)
+                mean = (head_parameters(head) if mean is None else mean).to(phi)
+                acc = CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
+            acc.update(augment(phi) if bias else phi, labels)
+        if acc is None:
+            raise BayescliError("no fitting data: the feature stream was empty")
+        curv = acc.finish()
         return cls(
             _gaussian(curv, mean, 1.0),
             Subset.LAST_LAYER,
             CurvatureType(curvature),
             bias,
             curv.n_data,
-            log_lik,
+            acc.log_likelihood,
         )
 
     @classmethod
     def fit_all_layers(
         cls,
         classifier: Classifier,
-        batches: list[tuple[torch.Tensor, torch.Tensor | None]],
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
         structure: HessianStructure | str = HessianStructure.DIAG,
         curvature: CurvatureType | str = CurvatureType.GGN,
         seed: int = 0,
     ) -> LaplacePosterior:
-        """Fit over all parameters of ``classifier.net`` on pixel-space ``batches``."""
+        """Fit over all parameters of ``classifier.net`` on pixel-space ``batches`` (one pass).
+
+        The batches are consumed as they come (the curvature is summed per batch); ``full``
+        holds the ``[P, P]`` curvature its maths needs (P ≤ 20,000).
+        """
         net = classifier.net
-        normed = [(classifier.normalise(x), y) for x, y in batches]
-        curv = all_layer_curvature(net, iter(normed), structure, curvature, seed)
+        log_lik = {"sum": 0.0, "labelled": True}
+
+        def normed() -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+            for x, y in batches:
+                xn = classifier.normalise(x)
+                if y is None:
+                    log_lik["labelled"] = False
+                else:
+                    with torch.no_grad():
+                        log_lik["sum"] -= nn.functional.cross_entropy(
+                            net(xn).double(), y, reduction="sum"
+                        ).item()
+                yield xn, y
+
+        curv = all_layer_curvature(net, normed(), structure, curvature, seed)
         mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-        log_lik = None
-        if all(y is not None for _, y in normed):
-            with torch.no_grad():
-                log_lik = -sum(
-                    nn.functional.cross_entropy(net(x).double(), y, reduction="sum").item() for x, y in normed
-                )
         return cls(
-            _gaussian(curv, mean, 1.0), Subset.ALL, CurvatureType(curvature), False, curv.n_data, log_lik
+            _gaussian(curv, mean, 1.0),
+            Subset.ALL,
+            CurvatureType(curvature),
+            False,
+            curv.n_data,
+            log_lik["sum"] if log_lik["labelled"] else None,
         )
 
     # -- prior --------------------------------------------------------------------------------
@@ -278,7 +321,7 @@ def fit_laplace(
     classifier: Classifier,
     phi: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
-    batches: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     subset: Subset | str = Subset.LAST_LAYER,
     structure: HessianStructure | str = HessianStructure.KRON,
     curvature: CurvatureType | str = CurvatureType.GGN,
@@ -287,24 +330,34 @@ def fit_laplace(
     batch_size: int = 1024,
     seed: int = 0,
     refine_steps: int = 0,
+    features: Iterable[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> LaplacePosterior:
     """Fit a Laplace approximation and set its prior precision (a float, or ``"auto"`` = marglik).
 
-    Last layer: pass ``phi [N, D]`` (and ``labels``); all layers: pass pixel-space ``batches``.
+    Last layer: pass ``phi [N, D]`` (and ``labels``), or ``features``, an iterable of
+    ``(phi [B, D], labels [B])`` batches that is consumed once without being held (memory: one
+    batch plus the curvature factors). All layers: pass pixel-space ``batches`` (consumed once).
     ``val-nll`` tuning needs a predictive and lives in :mod:`bayescli.predictive.tuning`.
 
     ``refine_steps > 0`` (last layer only) first moves the mode to the optimum of the convex
     linearised objective (:mod:`bayescli.posterior.refine`) with the prior precision chosen at
     ``θ*``, then recomputes the curvature (and, for ``auto``, ``δ``) at the refined mode; both
-    modes' objectives are recorded under ``meta["refinement"]``.
+    modes' objectives are recorded under ``meta["refinement"]``. Refinement optimises over all
+    fitting points at once, so it holds every feature in memory (a stream is collected first).
     """
     start = time.perf_counter()
     last_layer = Subset(subset) is Subset.LAST_LAYER
+    if last_layer and features is not None and refine_steps > 0:
+        pairs = list(features)
+        phi = torch.cat([p for p, _ in pairs])
+        labels = None if any(y is None for _, y in pairs) else torch.cat([y for _, y in pairs])
+        features = None
 
     def fit(mean: torch.Tensor | None = None) -> LaplacePosterior:
         if last_layer:
-            post = LaplacePosterior.fit_last_layer(
-                phi, labels, classifier.head, structure, curvature, backend, batch_size, seed, mean
+            stream = features if features is not None else [(phi, labels)]
+            post = LaplacePosterior.fit_last_layer_stream(
+                stream, classifier.head, structure, curvature, backend, batch_size, seed, mean
             )
         else:
             post = LaplacePosterior.fit_all_layers(classifier, batches, structure, curvature, seed)

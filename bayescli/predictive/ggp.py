@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from scipy.optimize import minimize_scalar
 
-from bayescli.data import ArrayData, load_data
+from bayescli.data import Data, load_data
 from bayescli.errors import BayescliError
 from bayescli.features import Features, extract_features
 from bayescli.models import Classifier, LoadedModel
@@ -211,7 +211,9 @@ class GGPPredictor:
     """A GGP Laplace fitted once on ``M`` points of the fitting data, predicting anywhere.
 
     Last-layer posteriors need only features; all-layer posteriors also the classifier and the
-    pixel-space inputs (their kernel comes from per-input Jacobians, ``M·C·P`` floats).
+    pixel-space inputs (their kernel comes from per-input Jacobians, ``M·C·P`` floats). Memory:
+    the GP works on all ``M`` points at once, so their features (or inputs and Jacobians) are held;
+    test inputs are processed batch by batch.
     """
 
     def __init__(
@@ -220,7 +222,7 @@ class GGPPredictor:
         fit_feats: Features,
         refine: bool,
         classifier: Classifier | None = None,
-        fit_data: ArrayData | None = None,
+        fit_data: Data | None = None,
     ) -> None:
         if fit_feats.labels is None:
             raise BayescliError("the GGP predictive needs labelled fitting points")
@@ -238,7 +240,8 @@ class GGPPredictor:
             else:
                 kernel = (self.train @ self.train.T / self.delta)[None]
         else:
-            x = fit_data.inputs(slice(None))
+            # the M fitting points only: their Jacobians [M, C, P] are what this kernel needs
+            x = torch.cat([xb for xb, _ in fit_data.batches(256)])
             self.train_jac, f_star, prior_mean = self._jacobian(x)
             kernel = torch.einsum("mcp,ncp->cmn", self.train_jac, self.train_jac) / self.delta
         self.model = GGPLaplace(kernel, prior_mean, y, factor).fit(f_star, refine)
@@ -270,7 +273,7 @@ class GGPPredictor:
         return jac, f, f - jac @ theta
 
     def logit_gaussian(
-        self, feats: Features, data: ArrayData | None = None, batch_size: int = 256
+        self, feats: Features, data: Data | None = None, batch_size: int = 256
     ) -> LogitGaussian:
         """Predictive logit Gaussian (full ``C × C`` covariance) at new inputs."""
         if self.last_layer:
@@ -301,6 +304,8 @@ def fit_ggp(
     seed: int = 0,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
+    num_workers: int = 0,
+    skip_unreadable: bool = False,
 ) -> GGPPredictor:
     """Fit the GGP on a seeded subset of ``points`` inputs of the posterior's own fitting data.
 
@@ -314,7 +319,16 @@ def fit_ggp(
     spec = (posterior.meta.get("data") or {}).get("spec")
     if not spec:
         raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
-    fit_data = load_data(spec, root, download, points, seed, preprocess=model.preprocess)
+    fit_data = load_data(
+        spec,
+        root,
+        download,
+        points,
+        seed,
+        preprocess=model.preprocess,
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
+    )
     feats = extract_features(model, fit_data, batch_size, device)
     model.classifier.cpu()
     ggp = GGPPredictor(posterior, feats, refine, model.classifier, fit_data)

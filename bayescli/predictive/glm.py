@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.models import Classifier
@@ -46,7 +46,7 @@ def logit_gaussian(
     posterior: Posterior,
     feats: Features,
     classifier: Classifier | None = None,
-    data: ArrayData | None = None,
+    data: Data | None = None,
     batch_size: int = 256,
 ) -> LogitGaussian:
     """GLM logit Gaussians for every input (features for last-layer, inputs for all-layer)."""
@@ -60,7 +60,7 @@ def _bnn_logits(
     posterior: Posterior,
     feats: Features,
     classifier: Classifier | None,
-    data: ArrayData | None,
+    data: Data | None,
     samples: int,
     gen: torch.Generator,
     batch_size: int,
@@ -85,7 +85,7 @@ def predict(
     samples: int = 1000,
     seed: int = 0,
     classifier: Classifier | None = None,
-    data: ArrayData | None = None,
+    data: Data | None = None,
     correction: BridgeCorrection | str = DEFAULT_CORRECTION,
     fit_dirichlet: bool = False,
     batch_size: int = 256,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.metrics import nll
@@ -26,7 +26,7 @@ def tune_prior_val_nll(
     samples: int = 100,
     seed: int = 0,
     classifier: Classifier | None = None,
-    val_data: ArrayData | None = None,
+    val_data: Data | None = None,
 ) -> float:
     """Set ``δ`` to the grid value with the lowest validation NLL under (predictive, link)."""
     if val.labels is None:
