@@ -20,8 +20,15 @@ from bayescli.data.corruptions import APPROXIMATIONS, corrupt, load_official, pa
 from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
 from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import fgsm
+from bayescli.evaluation.baselines import (
+    BaselineConfig,
+    Baselines,
+    calibration_extras,
+    conformal_suite,
+    fidelity_suite,
+)
 from bayescli.evaluation.methods import Method, MethodOutput, run_method
-from bayescli.features import check_input_shape, extract_features
+from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import LoadedModel
 from bayescli.options import Predictive
@@ -30,7 +37,7 @@ from bayescli.predictive.ggp import fit_ggp
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -53,6 +60,7 @@ class EvalConfig:
     data_root: Path = Path("data")
     download: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    baselines: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 class Evaluator:
@@ -62,6 +70,7 @@ class Evaluator:
         self.post, self.model, self.cfg = posterior, model, cfg
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0, "shift": 0.0}
         self.n_forward = 0
+        self.last_features: Features | None = None
         self.ggp = None
         if any(m.predictive is Predictive.GGP for m in cfg.methods):
             start = time.perf_counter()
@@ -77,9 +86,12 @@ class Evaluator:
                 cfg.device,
             )
             self.timings["ggp_fit"] = time.perf_counter() - start
+        self.baselines = Baselines(posterior, model, cfg)
+        self.temperature = self.baselines.temperature.temperature if self.baselines.temperature else None
 
-    def outputs(self, data: ArrayData) -> dict[str, MethodOutput]:
-        """Every method's output on ``data`` (one backbone pass)."""
+    def outputs(self, data: ArrayData, detect: bool = False) -> dict[str, MethodOutput]:
+        """Every method's output on ``data`` (one backbone pass); ``detect`` adds the OOD
+        detectors' scores."""
         feats = extract_features(self.model, data, self.cfg.batch_size, self.cfg.device)
         self.model.classifier.cpu()
         self.timings["forward"] += feats.seconds
@@ -87,11 +99,22 @@ class Evaluator:
         outs = {}
         for m in self.cfg.methods:
             out = run_method(
-                m, self.post, feats, self.model.classifier, data, self.cfg.samples, self.cfg.seed, self.ggp
+                m,
+                self.post,
+                feats,
+                self.model.classifier,
+                data,
+                self.cfg.samples,
+                self.cfg.seed,
+                self.ggp,
+                self.temperature,
             )
             for key, sec in out.seconds.items():
                 self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
             outs[m.name] = out
+        if detect:
+            self.baselines.score(outs, feats, data)
+        self.last_features = feats
         return outs
 
     def summaries(self, data: ArrayData) -> dict[str, dict]:
@@ -104,6 +127,7 @@ def _in_distribution(data: ArrayData, outs: dict[str, MethodOutput]) -> dict:
     for name, o in outs.items():
         res[name] = {
             **classification_summary(o.probs, data.y),
+            **calibration_extras(o.probs, data.y),
             **selective(o.probs, data.y),
             "reliability": reliability(o.probs, data.y),
         }
@@ -136,7 +160,8 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
     check_input_shape(model, test)
     ev = Evaluator(posterior, model, cfg)
     start = time.perf_counter()
-    clean = ev.outputs(test)
+    clean = ev.outputs(test, detect=bool(cfg.ood))
+    clean_feats = ev.last_features
     x = test.inputs(slice(None))  # pixel-space inputs shared by the shift suites
     results: dict = {"in_distribution": _in_distribution(test, clean)}
     protocol: dict = {
@@ -147,18 +172,32 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
     }
     if ev.ggp is not None:
         protocol["ggp"] = ev.ggp.info
+    if ev.baselines.temperature is not None:
+        protocol["temperature"] = ev.baselines.temperature_protocol()
+    warnings: list[str] = []
+    if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in cfg.methods):
+        t0 = time.perf_counter()
+        results["link_fidelity"], protocol["link_fidelity"], warnings = fidelity_suite(
+            posterior, model, clean_feats, test, cfg
+        )
+        ev.timings["link_fidelity"] = time.perf_counter() - t0
+    if cfg.baselines.conformal is not None:
+        t0 = time.perf_counter()
+        results["conformal"], protocol["conformal"] = conformal_suite(
+            clean, clean_feats, test, posterior, model, cfg
+        )
+        ev.timings["conformal"] = time.perf_counter() - t0
 
     if cfg.ood:
         protocol["ood"] = {
             "positive": "in-distribution",
             "score_orientation": "higher = in-distribution",
-            "scores": "max_prob, neg_entropy for all; alpha0, neg_mutual_information for "
-            "bridge; neg_mutual_information for sampling methods",
             "limit": cfg.ood_limit,
+            **ev.baselines.ood_protocol(),
         }
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
-            outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess))
+            outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess), detect=True)
             results["ood"][_ood_key(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
@@ -218,6 +257,7 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
             data = ArrayData(xa, test.y, test.class_names, {**test.info, "fgsm_eps": eps})
             results["fgsm"][label] = ev.summaries(data)
 
+    ev.timings |= ev.baselines.timings
     ev.timings["total"] = time.perf_counter() - start
     ev.timings["forward_inputs"] = ev.n_forward
     return {
@@ -245,4 +285,5 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
         "protocol": protocol,
         "results": results,
         "timings": ev.timings,
+        "warnings": warnings,
     }
