@@ -16,3 +16,7 @@ def require(condition: bool, message: str) -> None:
     """Raise :class:`BayescliError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise BayescliError(message)
+
+
+class AllRanksError(BayescliError):
+    """Raised on every process of a distributed run with the same message (print it once)."""

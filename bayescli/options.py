@@ -60,6 +60,14 @@ class Subset(str, Enum):
     ALL = "all"
 
 
+class VIMethod(str, Enum):
+    """Variational posteriors of ``bayescli fit-vi`` / ``bayescli train --method``."""
+
+    MNVI = "mnvi"
+    FSVI = "fsvi"
+    DIRICHLET_FVI = "dirichlet-fvi"
+
+
 class HessianStructure(str, Enum):
     DIAG = "diag"
     KRON = "kron"

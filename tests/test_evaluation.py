@@ -144,7 +144,7 @@ def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_pa
     schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
     jsonschema.validate(report, schema)
     r = report["results"]
-    assert set(r) == {"in_distribution", "ood", "rotation", "corruption", "fgsm"}
+    assert set(r) == {"in_distribution", "ood", "rotation", "corruption", "fgsm", "link_fidelity"}
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-bridge"]
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-mc"]
     assert "alpha0" in r["ood"]["patches"]["glm-bridge"]

@@ -14,16 +14,17 @@ from bayescli.cli.conformal import conformal_cmd
 from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
+from bayescli.cli.fit_vi import fit_vi_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
-from bayescli.errors import BayescliError
+from bayescli.errors import AllRanksError, BayescliError
 
 app = typer.Typer(
     name="bayescli",
     help="Post-hoc Bayesian uncertainty for pretrained classifiers: Laplace approximations, "
-    "GLM predictives, the Laplace bridge, uncertainty-aware top-k, conformal sets and their evaluation "
-    "against post-hoc baselines.",
+    "variational posteriors (MNVI, FSVI, Dirichlet fVI), GLM predictives, the Laplace bridge, "
+    "uncertainty-aware top-k, conformal sets and their evaluation against post-hoc baselines.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -53,6 +54,7 @@ _USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickExce
 
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
+app.command("fit-vi")(fit_vi_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)
 app.command("conformal")(conformal_cmd)
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     except BayescliError as exc:
         if common.state["debug"]:
             raise
-        typer.echo(f"error: {exc}", err=True)
+        # Under torchrun every rank stops with the same AllRanksError message: print it once.
+        if common.is_main_process() or not isinstance(exc, AllRanksError):
+            typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except Exception as exc:
         if common.state["debug"]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import ArrayData
+    from bayescli.models import LoadedModel
     from bayescli.posterior.base import Posterior
     from bayescli.preprocess import Preprocess
 
@@ -49,14 +50,25 @@ Std = Annotated[str | None, typer.Option(help="Per-channel std, e.g. 0.229,0.224
 Resize = Annotated[int | None, typer.Option(min=1, help="Resize the shorter side to N px (aspect kept).")]
 Crop = Annotated[int | None, typer.Option(min=1, help="Centre-crop N×N px after resizing.")]
 InterpolationOpt = Annotated[Interpolation | None, typer.Option("--interpolation", help="Resize filter.")]
+CheckpointKey = Annotated[
+    str | None,
+    typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
+]
 Head = Annotated[
     str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
 ]
 
 
+def is_main_process() -> bool:
+    """Rank 0 under torchrun (read from the launcher's environment), or a plain process."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def setup(quiet: bool, as_json: bool, seed: int | None = None) -> None:
-    """Apply the common options: progress bars off for --quiet/--json, seed torch."""
-    progress.set_enabled(not (quiet or as_json))
+    """Apply the common options: progress bars off for --quiet/--json and on ranks > 0, seed torch."""
+    progress.set_enabled(not (quiet or as_json) and is_main_process())
     if seed is not None:
         import torch
 
@@ -69,6 +81,49 @@ def load(
     from bayescli.data import load_data
 
     return load_data(spec, root=root, download=download, limit=limit, seed=seed, preprocess=preprocess)
+
+
+def preprocess_from_options(
+    preset: PreprocessPreset | None,
+    model: str,
+    mean: str | None,
+    std: str | None,
+    resize: int | None,
+    crop: int | None,
+    interpolation: Interpolation | None,
+) -> Preprocess | None:
+    """The input recipe given by ``--preprocess`` and its overrides (``None``: the checkpoint's)."""
+    from bayescli.preprocess import resolve_preprocess
+
+    return resolve_preprocess(
+        preset, model, floats(mean, "--mean"), floats(std, "--std"), resize, crop, interpolation
+    )
+
+
+def load_model_and_data(
+    model: str,
+    checkpoint: Path,
+    head: str | None,
+    checkpoint_key: str | None,
+    preprocess: Preprocess | None,
+    data: str,
+    root: Path,
+    download: bool,
+    limit: int | None,
+    seed: int,
+) -> tuple[LoadedModel, ArrayData]:
+    """A user's checkpoint and the fitting data, checked against each other."""
+    from bayescli.models import load_classifier
+
+    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=preprocess)
+    fit_data = load(data, root, download, limit, seed, loaded.preprocess)
+    check_labels(fit_data, loaded.classifier.num_classes)
+    return loaded, fit_data
+
+
+def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: ArrayData) -> None:
+    """What a posterior file must say about its model and data (``load_model`` reads it back)."""
+    post.meta |= {**loaded.describe(), "class_names": loaded.class_names, "data": fit_data.info}
 
 
 def floats(text: str | None, option: str) -> tuple[float, ...] | None:
@@ -125,9 +180,31 @@ def posterior_summary(post: Posterior) -> dict:
     }
 
 
+def tagged_posteriors(posts: list[Posterior], paths: list[Path]) -> dict[str, Posterior]:
+    """Posteriors keyed by their file stems (made unique), after checking they share one checkpoint."""
+    import re
+
+    first = posts[0].meta
+    tags: dict[str, Posterior] = {}
+    for post, path in zip(posts, paths, strict=True):
+        for key in ("model", "checkpoint_sha256"):
+            if post.meta.get(key) != first.get(key):
+                raise BayescliError(
+                    f"{path} belongs to a different model ({key} {post.meta.get(key)!r} vs "
+                    f"{first.get(key)!r} in {paths[0]}); compare posteriors of one checkpoint"
+                )
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or post.method
+        tag, n = base, 1
+        while tag in tags:
+            n += 1
+            tag = f"{base}-{n}"
+        tags[tag] = post
+    return tags
+
+
 def warn(message: str | None) -> None:
-    """Print a one-line warning on stderr (kept off stdout, which --json reserves)."""
-    if message:
+    """Print a one-line warning on stderr (kept off stdout, which --json reserves), on rank 0."""
+    if message and is_main_process():
         typer.echo(f"warning: {message}", err=True)
 
 
@@ -157,7 +234,9 @@ def metrics_table(title: str, results: dict[str, dict[str, float]]) -> Table:
 
 
 def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> None:
-    """Print tables unless quiet; with --json print ``payload`` as JSON instead."""
+    """Print tables unless quiet; with --json print ``payload`` as JSON instead (rank 0 only)."""
+    if not is_main_process():
+        return
     if as_json:
         from bayescli.io import to_json
 
@@ -168,7 +247,14 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`)."""
+    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`).
+
+    Under torchrun this also joins the process group (NCCL for CUDA, Gloo for CPU) and gives
+    each process its own GPU (``cuda:LOCAL_RANK``).
+    """
+    from bayescli import parallel
     from bayescli.features import resolve_device as resolve
 
-    return resolve(spec)
+    device = resolve(spec)
+    parallel.init(device)
+    return parallel.device_for(device)

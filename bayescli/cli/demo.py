@@ -126,7 +126,7 @@ def demo(
         seed=seed,
         device=dev,
     )
-    evaluation = run_evaluation(post, model, test_data, cfg)
+    evaluation = run_evaluation({"posterior": post}, model, test_data, cfg)
     write_json(out_dir / "report.json", evaluation)
     write_report(evaluation, html_path=out_dir / "report.html")
     ood_rows = [

@@ -12,7 +12,13 @@ from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode
 
 
 def evaluate_cmd(
-    posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
+    posterior: Annotated[
+        list[Path],
+        typer.Option(
+            help="Posterior file from fit-laplace or fit-vi (repeatable: several posteriors of the same "
+            "checkpoint are compared on one backbone pass; method names get a FILE-STEM/ prefix)."
+        ),
+    ],
     data: Annotated[str, typer.Option(help="Labelled in-distribution test data, e.g. digits:test.")],
     out: Annotated[Path | None, typer.Option(help="Report JSON to write.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report.")] = None,
@@ -88,7 +94,7 @@ def evaluate_cmd(
     quiet: c.Quiet = False,
     as_json: c.Json = False,
 ) -> int:
-    """Compare MAP, temperature scaling and Bayesian predictives; write one JSON report and gate on it.
+    """Compare MAP, temperature scaling and Laplace / VI predictives; write one JSON report and gate on it.
 
     Suites: in-distribution (with calibration metrics and link fidelity), OOD (Bayesian scores
     beside MaxLogit, energy, Mahalanobis, KNN, ViM, ReAct, ODIN), conformal sets, rotation,
@@ -138,12 +144,13 @@ def evaluate_cmd(
             fidelity_inputs=fidelity_inputs,
         ),
     )
-    post = load_posterior(posterior)
-    model = post.load_model(checkpoint)
+    posts = c.tagged_posteriors([load_posterior(p) for p in posterior], posterior)
+    model = next(iter(posts.values())).load_model(checkpoint)
     test = c.load(data, data_root, download, limit, seed, model.preprocess)
     c.check_labels(test, model.classifier.num_classes)
-    report = run_evaluation(post, model, test, cfg)
-    report["posterior_file"] = str(posterior)
+    report = run_evaluation(posts, model, test, cfg)
+    report["posterior_file"] = str(posterior[0])
+    report["posterior_files"] = {tag: str(p) for tag, p in zip(posts, posterior, strict=True)}
     outcomes = check_gates(report["results"], gates)
     if outcomes:
         report["gates"] = outcomes

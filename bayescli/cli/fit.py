@@ -57,10 +57,7 @@ def fit_laplace_cmd(
     resize: c.Resize = None,
     crop: c.Crop = None,
     interpolation: c.InterpolationOpt = None,
-    checkpoint_key: Annotated[
-        str | None,
-        typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
-    ] = None,
+    checkpoint_key: c.CheckpointKey = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -78,10 +75,8 @@ def fit_laplace_cmd(
     from bayescli.data import validation_spec
     from bayescli.features import extract_features
     from bayescli.metrics import accuracy, low_accuracy_warning
-    from bayescli.models import load_classifier
     from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive.tuning import tune_prior_val_nll
-    from bayescli.preprocess import resolve_preprocess
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -90,12 +85,10 @@ def fit_laplace_cmd(
     if prior == "val-nll" and predictive is Predictive.GGP:
         raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
     dev = c.resolve_device(device)
-    pre = resolve_preprocess(
-        preprocess, model, c.floats(mean, "--mean"), c.floats(std, "--std"), resize, crop, interpolation
+    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
+    loaded, fit_data = c.load_model_and_data(
+        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed
     )
-    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=pre)
-    fit_data = c.load(data, data_root, download, limit, seed, loaded.preprocess)
-    c.check_labels(fit_data, loaded.classifier.num_classes)
     feats = extract_features(loaded, fit_data, batch_size, dev)
     clf = loaded.classifier.cpu()
     batches = list(fit_data.batches(batch_size)) if subset is Subset.ALL else None
@@ -120,12 +113,8 @@ def fit_laplace_cmd(
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
         tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
-    post.meta |= {
-        **loaded.describe(),
-        "class_names": loaded.class_names,
-        "data": fit_data.info,
-        "backend": backend.value,
-    }
+    c.record_provenance(post, loaded, fit_data)
+    post.meta["backend"] = backend.value
     post.save(out)
     summary = {
         "posterior": str(out),

@@ -25,7 +25,7 @@ import torch
 from bayescli.data import ArrayData, load_data, validation_spec
 from bayescli.errors import BayescliError
 from bayescli.evaluation import detectors as det
-from bayescli.evaluation.methods import MethodOutput
+from bayescli.evaluation.methods import Method, MethodOutput
 from bayescli.evaluation.temperature import TemperatureFit, fit_temperature
 from bayescli.features import Features, extract_features
 from bayescli.metrics import adaptive_ece, classwise_ece, mce
@@ -237,35 +237,41 @@ def calibration_extras(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, f
 
 def conformal_suite(
     clean: dict[str, MethodOutput],
+    methods: list[Method],
     feats: Features,
     test: ArrayData,
-    posterior: Posterior,
+    posteriors: dict[str, Posterior],
     model: LoadedModel,
     cfg: EvalConfig,
 ) -> tuple[dict, dict]:
     """Split conformal sets for every method and score on a seeded half of the test set,
-    calibrated on the other half, each beside uncertainty-aware top-k (glm-bridge Dirichlet)
-    at the same mean set size. Returns ``(results, protocol)``."""
+    calibrated on the other half, each beside uncertainty-aware top-k at the same mean set size
+    (on the glm-bridge Dirichlet of the method's posterior; the first posterior for ``map`` and
+    ``temp``). Returns ``(results, protocol)``."""
     alpha = cfg.baselines.conformal
     n = len(test)
     n_cal = int(n * CALIBRATION_FRACTION)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
     cal, ev = perm[:n_cal].sort().values, perm[n_cal:].sort().values
     y = test.y
-    bridge = predict(
-        posterior, feats, Predictive.GLM, Link.BRIDGE, seed=cfg.seed, classifier=model.classifier, data=test
-    )
-    curve = cp.TopkCurve(bridge.alpha[ev], y[ev])
+    curves: dict[str, cp.TopkCurve] = {}
+    for tag, post in posteriors.items():
+        bridge = predict(
+            post, feats, Predictive.GLM, Link.BRIDGE, seed=cfg.seed, classifier=model.classifier, data=test
+        )
+        curves[tag] = cp.TopkCurve(bridge.alpha[ev], y[ev])
+    first = next(iter(posteriors))
     results: dict = {}
-    for name, out in clean.items():
-        results[name] = {}
+    for m in methods:
+        out = clean[m.name]
+        results[m.name] = {}
         for score in cp.ConformalScore:
             ccfg = cp.ConformalConfig(score, alpha)
             q_hat = cp.calibrate(out.probs[cal], y[cal], ccfg, cfg.seed)
             sets = cp.prediction_sets(out.probs[ev], q_hat, ccfg, cfg.seed + 1)
             row = {"threshold": q_hat, **cp.set_summary(sets, y[ev])}
-            row["topk_same_size"] = curve.at_mean_size(row["mean_size"])
-            results[name][score.value] = row
+            row["topk_same_size"] = curves[m.posterior or first].at_mean_size(row["mean_size"])
+            results[m.name][score.value] = row
     protocol = {
         "alpha": alpha,
         "calibration": f"seeded {CALIBRATION_FRACTION:.0%} of the test set (seed {cfg.seed}); "
@@ -274,25 +280,23 @@ def conformal_suite(
         "test_points": n - n_cal,
         "threshold": "ceil((n+1)(1-alpha))-th smallest calibration score",
         "scores": {s.value: cp.ConformalConfig(s, alpha).info() for s in cp.ConformalScore},
-        "topk": "uncertainty-aware top-k on the glm-bridge Dirichlet, T chosen for the same mean set size",
+        "topk": "uncertainty-aware top-k on the glm-bridge Dirichlet of the method's posterior (map, "
+        "temp: the first), T chosen for the same mean set size",
     }
     return results, protocol
 
 
 def fidelity_suite(
-    posterior: Posterior, model: LoadedModel, feats: Features, test: ArrayData, cfg: EvalConfig
+    posteriors: dict[str, Posterior], model: LoadedModel, feats: Features, test: ArrayData, cfg: EvalConfig
 ) -> tuple[dict, dict, list[str]]:
     """``KL(MC ‖ link)`` on a seeded subset of the test inputs (GLM logit Gaussians), for every
-    link; warnings for the links the requested methods use."""
+    link of every posterior (rows ``TAG/link`` when there are several); warnings for the links
+    the requested methods use."""
     size = min(cfg.baselines.fidelity_inputs, len(test))
     idx = subset_index(len(test), size, cfg.seed)
     sub_feats = Features(
         feats.phi[idx], feats.logits[idx], None if feats.labels is None else feats.labels[idx]
     )
-    lg = logit_gaussian(posterior, sub_feats, model.classifier, test.subset(idx), cfg.batch_size)
-    keep = fidelity_inputs(len(lg), lg.num_classes, lg.kind, size, FIDELITY_SAMPLES)
-    lg = lg.slice(slice(0, keep))
-    labels = None if sub_feats.labels is None else sub_feats.labels[:keep]
     used = {
         m.link.value
         if m.link is not Link.BRIDGE or m.correction is DEFAULT_CORRECTION
@@ -300,9 +304,22 @@ def fidelity_suite(
         for m in cfg.methods
         if m.link is not None
     }
-    results, warnings = link_fidelity(lg, labels, FIDELITY_SAMPLES, cfg.seed, KL_WARNING, used)
+    results: dict = {}
+    inputs: dict[str, int] = {}
+    warnings: list[str] = []
+    for tag, post in posteriors.items():
+        lg = logit_gaussian(post, sub_feats, model.classifier, test.subset(idx), cfg.batch_size)
+        keep = fidelity_inputs(len(lg), lg.num_classes, lg.kind, size, FIDELITY_SAMPLES)
+        labels = None if sub_feats.labels is None else sub_feats.labels[:keep]
+        rows, lines = link_fidelity(
+            lg.slice(slice(0, keep)), labels, FIDELITY_SAMPLES, cfg.seed, KL_WARNING, used
+        )
+        prefix = f"{tag}/" if len(posteriors) > 1 else ""
+        results |= {prefix + link: row for link, row in rows.items()}
+        warnings += [prefix + line for line in lines]
+        inputs[tag] = keep
     protocol = {
-        "inputs": keep,
+        "inputs": next(iter(inputs.values())) if len(inputs) == 1 else inputs,
         "samples": FIDELITY_SAMPLES,
         "seed": cfg.seed,
         "predictive": "glm",

@@ -31,13 +31,32 @@ from bayescli.predictive.glm import predict
 
 @dataclass(frozen=True)
 class Method:
+    """A predictive-link pair; ``posterior`` tags the posterior file it uses (``None`` for MAP)."""
+
     name: str
     predictive: Predictive | None
     link: Link | None
     correction: BridgeCorrection = DEFAULT_CORRECTION
+    posterior: str | None = None
 
 
 BASELINES = ("map", "temp")  # the network's own softmax, and softmax(f / T) with T fitted
+
+
+def expand_methods(methods: list[Method], tags: list[str]) -> list[Method]:
+    """One method per posterior tag; names gain a ``TAG/`` prefix when there are several tags.
+
+    ``map`` and ``temp`` need no posterior and are kept once.
+    """
+    out = []
+    for m in methods:
+        if m.predictive is None:
+            out.append(m)
+            continue
+        for tag in tags:
+            name = f"{tag}/{m.name}" if len(tags) > 1 else m.name
+            out.append(Method(name, m.predictive, m.link, m.correction, tag))
+    return out
 
 
 def parse_methods(text: str) -> list[Method]:
@@ -75,7 +94,7 @@ class MethodOutput:
 
 def run_method(
     method: Method,
-    posterior: Posterior,
+    posterior: Posterior | None,
     feats: Features,
     classifier: Classifier,
     data: ArrayData,
@@ -84,7 +103,8 @@ def run_method(
     ggp: GGPPredictor | None = None,
     temperature: float | None = None,
 ) -> MethodOutput:
-    """Apply ``method`` to the inputs whose features are ``feats`` (``temp`` needs ``temperature``)."""
+    """Apply ``method`` to the inputs whose features are ``feats`` (``posterior`` unused by ``map``
+    and ``temp``; ``temp`` needs ``temperature``)."""
     if method.predictive is None:
         start = time.perf_counter()
         if method.name == "temp" and temperature is None:

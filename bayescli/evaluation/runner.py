@@ -27,17 +27,17 @@ from bayescli.evaluation.baselines import (
     conformal_suite,
     fidelity_suite,
 )
-from bayescli.evaluation.methods import Method, MethodOutput, run_method
+from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
 from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import LoadedModel
 from bayescli.options import Predictive
-from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.posterior.base import Posterior
 from bayescli.predictive.ggp import fit_ggp
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -64,18 +64,24 @@ class EvalConfig:
 
 
 class Evaluator:
-    """Holds the posterior, model and timings while the suites run."""
+    """Holds the posteriors, model and timings while the suites run.
 
-    def __init__(self, posterior: LaplacePosterior, model: LoadedModel, cfg: EvalConfig) -> None:
-        self.post, self.model, self.cfg = posterior, model, cfg
+    ``posteriors`` maps a tag (used as the method-name prefix when there are several) to a
+    posterior of ``model``; every method of ``cfg.methods`` runs once per posterior.
+    """
+
+    def __init__(self, posteriors: dict[str, Posterior], model: LoadedModel, cfg: EvalConfig) -> None:
+        self.posts, self.model, self.cfg = posteriors, model, cfg
+        self.methods = expand_methods(cfg.methods, list(posteriors))
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0, "shift": 0.0}
         self.n_forward = 0
         self.last_features: Features | None = None
-        self.ggp = None
-        if any(m.predictive is Predictive.GGP for m in cfg.methods):
+        self.ggp: dict[str, object] = {}
+        for tag in {m.posterior for m in self.methods if m.predictive is Predictive.GGP}:
+            post = posteriors[tag]
             start = time.perf_counter()
-            self.ggp = fit_ggp(
-                posterior,
+            self.ggp[tag] = fit_ggp(
+                post,
                 model,
                 cfg.ggp_points,
                 cfg.ggp_mode == "refined",
@@ -85,8 +91,8 @@ class Evaluator:
                 cfg.batch_size,
                 cfg.device,
             )
-            self.timings["ggp_fit"] = time.perf_counter() - start
-        self.baselines = Baselines(posterior, model, cfg)
+            self.timings[f"ggp_fit.{tag}" if len(posteriors) > 1 else "ggp_fit"] = time.perf_counter() - start
+        self.baselines = Baselines(next(iter(posteriors.values())), model, cfg)
         self.temperature = self.baselines.temperature.temperature if self.baselines.temperature else None
 
     def outputs(self, data: ArrayData, detect: bool = False) -> dict[str, MethodOutput]:
@@ -97,16 +103,17 @@ class Evaluator:
         self.timings["forward"] += feats.seconds
         self.n_forward += len(data)
         outs = {}
-        for m in self.cfg.methods:
+        for m in self.methods:
+            post = self.posts[m.posterior] if m.posterior else None
             out = run_method(
                 m,
-                self.post,
+                post,
                 feats,
                 self.model.classifier,
                 data,
                 self.cfg.samples,
                 self.cfg.seed,
-                self.ggp,
+                self.ggp.get(m.posterior),
                 self.temperature,
             )
             for key, sec in out.seconds.items():
@@ -153,12 +160,27 @@ def load_ood(
     return ArrayData(data.x, None, reference.class_names, data.info)
 
 
-def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayData, cfg: EvalConfig) -> dict:
-    """All requested suites on ``test`` (labelled); returns the report dictionary."""
+def describe_posterior(post: Posterior) -> dict:
+    """What a report says about one posterior."""
+    return {
+        "method": post.method,
+        "subset": post.subset.value,
+        **post.summary(),
+        "fit_data": post.meta.get("data"),
+    }
+
+
+def run_evaluation(
+    posteriors: dict[str, Posterior], model: LoadedModel, test: ArrayData, cfg: EvalConfig
+) -> dict:
+    """All requested suites on ``test`` (labelled) for every posterior; returns the report dictionary.
+
+    ``posteriors`` maps tags to posteriors of ``model`` (see :class:`Evaluator`).
+    """
     if test.y is None:
         raise BayescliError(f"{test.spec} has no labels; evaluation needs labelled test data")
     check_input_shape(model, test)
-    ev = Evaluator(posterior, model, cfg)
+    ev = Evaluator(posteriors, model, cfg)
     start = time.perf_counter()
     clean = ev.outputs(test, detect=bool(cfg.ood))
     clean_feats = ev.last_features
@@ -166,25 +188,26 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
     results: dict = {"in_distribution": _in_distribution(test, clean)}
     protocol: dict = {
         **PROTOCOL,
-        "methods": [m.name for m in cfg.methods],
+        "methods": [m.name for m in ev.methods],
         "mc_samples": cfg.samples,
         "selective_coverages": [0.5, 0.8, 0.9],
     }
-    if ev.ggp is not None:
-        protocol["ggp"] = ev.ggp.info
+    if ev.ggp:
+        infos = {tag: g.info for tag, g in ev.ggp.items()}
+        protocol["ggp"] = next(iter(infos.values())) if len(posteriors) == 1 else infos
     if ev.baselines.temperature is not None:
         protocol["temperature"] = ev.baselines.temperature_protocol()
     warnings: list[str] = []
-    if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in cfg.methods):
+    if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in ev.methods):
         t0 = time.perf_counter()
         results["link_fidelity"], protocol["link_fidelity"], warnings = fidelity_suite(
-            posterior, model, clean_feats, test, cfg
+            posteriors, model, clean_feats, test, cfg
         )
         ev.timings["link_fidelity"] = time.perf_counter() - t0
     if cfg.baselines.conformal is not None:
         t0 = time.perf_counter()
         results["conformal"], protocol["conformal"] = conformal_suite(
-            clean, clean_feats, test, posterior, model, cfg
+            clean, ev.methods, clean_feats, test, posteriors, model, cfg
         )
         ev.timings["conformal"] = time.perf_counter() - t0
 
@@ -272,15 +295,8 @@ def run_evaluation(posterior: LaplacePosterior, model: LoadedModel, test: ArrayD
             "threads": torch.get_num_threads(),
         },
         "model": model.describe(),
-        "posterior": {
-            "subset": posterior.subset.value,
-            "hessian": posterior.structure,
-            "curvature": posterior.curvature.value,
-            "prior_precision": posterior.prior_precision,
-            "prior_method": posterior.meta.get("prior", {}).get("method"),
-            "n_data": posterior.n_data,
-            "fit_data": posterior.meta.get("data"),
-        },
+        "posterior": describe_posterior(next(iter(posteriors.values()))),
+        "posteriors": {tag: describe_posterior(p) for tag, p in posteriors.items()},
         "data": test.info,
         "protocol": protocol,
         "results": results,

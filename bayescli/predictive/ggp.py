@@ -306,6 +306,11 @@ def fit_ggp(
 
     The subset's provenance is recorded in ``info["data"]``.
     """
+    if not isinstance(posterior, LaplacePosterior):
+        raise BayescliError(
+            f"the GGP predictive needs a Laplace posterior (its prior precision defines the GP prior), "
+            f"not {posterior.method}; use --predictive glm or a fit-laplace file"
+        )
     spec = (posterior.meta.get("data") or {}).get("spec")
     if not spec:
         raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
