@@ -14,6 +14,9 @@ Scores, with classes ranked by descending probability (rank ``r(y)``, 1-based, t
 
 Randomised scores give sets that can be empty (exact coverage); every score here is
 non-decreasing along the ranking, so each set is the top-``m`` classes for some ``m``.
+
+:class:`TopkCurve` puts uncertainty-aware top-k (seed 004) beside a conformal set at the same
+mean set size.
 """
 
 from __future__ import annotations
@@ -175,10 +178,14 @@ class TopkCurve:
         """``T`` whose mean set size is closest to ``mean_size``, that size and, with labels,
         the coverage (label ∈ set)."""
         n = len(self.critical)
-        values = np.sort(self.critical.ravel())[::-1]  # k(T) − 1 summed = #{m > T}
-        j = int(np.clip(round((mean_size - 1) * n), 0, len(values)))
-        upper = values[j - 1] if j > 0 else T_RANGE[1]
-        lower = values[j] if j < len(values) else T_RANGE[0]
+        # Σ_n (k_n(T) − 1) = #{m > T}: with the distinct m in descending order v_1 > v_2 > …, any
+        # T in (v_{i+1}, v_i) gives the mean size 1 + (count of m ≥ v_i)/n
+        values, counts = np.unique(self.critical.ravel(), return_counts=True)
+        values, counts = values[::-1], counts[::-1]
+        reachable = 1 + np.concatenate([[0], np.cumsum(counts)]) / n
+        i = int(np.abs(reachable - mean_size).argmin())
+        upper = values[i - 1] if i > 0 else T_RANGE[1]
+        lower = values[i] if i < len(values) else T_RANGE[0]
         t = math.sqrt(max(lower, T_RANGE[0]) * min(upper, T_RANGE[1]))
         k = self.sizes(t)
         out = {"threshold": t, "mean_size": float(k.mean()), "max_k": self.kmax}
