@@ -77,7 +77,10 @@ def test_mahalanobis_and_relative_against_numpy(monkeypatch):
         rel = det.RelativeMahalanobis.fit(torch.from_numpy(phi), torch.from_numpy(y), 4, ridge)
         d0 = _mahalanobis_oracle(phi, np.zeros(len(phi), int), test, ridge, 1)[:, 0]
         assert_close(
-            rel.score(torch.from_numpy(test)), d0 - d2.min(1), rtol=RTOL, what=f"relative mahalanobis r={ridge}"
+            rel.score(torch.from_numpy(test)),
+            d0 - d2.min(1),
+            rtol=RTOL,
+            what=f"relative mahalanobis r={ridge}",
         )
 
 
@@ -126,7 +129,13 @@ def test_react_and_percentile_against_numpy():
     w, b = _head()
     test = np.maximum(rng.normal(0, 4, (30, 12)), 0)
     for q in (90.0, 37.5, 100.0):
-        assert_close(det.percentile(torch.from_numpy(phi), q), np.percentile(phi, q), rtol=1e-12, atol=1e-15, what=f"p{q}")
+        assert_close(
+            det.percentile(torch.from_numpy(phi), q),
+            np.percentile(phi, q),
+            rtol=1e-12,
+            atol=1e-15,
+            what=f"p{q}",
+        )
     react = det.ReAct.fit(torch.from_numpy(phi), torch.from_numpy(w), torch.from_numpy(b), 90.0)
     clipped = np.minimum(test, np.percentile(phi, 90))
     expected = logsumexp(clipped @ w.T + b, axis=1)
@@ -191,5 +200,7 @@ def test_every_detector_ranks_obvious_ood_lower():
     with torch.no_grad():
         lin.weight.copy_(w)
         lin.bias.copy_(b)
-    auroc = ood_metrics(det.odin(lin, test_in, 1000.0, 0.0014), det.odin(lin, test_out, 1000.0, 0.0014))["auroc"]
+    auroc = ood_metrics(det.odin(lin, test_in, 1000.0, 0.0014), det.odin(lin, test_out, 1000.0, 0.0014))[
+        "auroc"
+    ]
     assert auroc > 0.99, f"odin: AUROC {auroc}"

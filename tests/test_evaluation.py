@@ -319,7 +319,8 @@ def test_evaluate_baselines_report_schema_and_gates(cli, digits_posterior, tmp_p
     args = [
         "evaluate", "--posterior", digits_posterior, "--data", "digits:test", "--limit", "160",
         "--methods", "map,temp,glm-probit,glm-bridge-norm", "--ood", "patches", "--ood-limit", "80",
-        "--ood-scores", "msp,entropy,alpha0,mi,maxlogit,energy,mahalanobis,rel-mahalanobis,knn,vim,react,odin",
+        "--ood-scores", "msp,entropy,alpha0,mi,maxlogit,energy,mahalanobis,rel-mahalanobis,knn,vim,react,"
+        "odin",
         "--conformal", "0.2", "--fidelity-inputs", "64", "--out", out, "--html", tmp_path / "r.html",
     ]  # fmt: skip
     gates = [
