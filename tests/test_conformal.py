@@ -46,6 +46,12 @@ def test_label_scores_against_loop():
         ours = cp.label_scores(torch.from_numpy(p), cfg, torch.from_numpy(u)).numpy()
         loop = [[_score_loop(p[i], y, score.value, u[i], 0.3, 2) for y in range(7)] for i in range(40)]
         assert_close(ours, loop, atol=F64, what=f"{score.value} scores")
+        labels = rng.integers(0, 7, 40)
+        at_labels = cp.true_label_scores(
+            torch.from_numpy(p), torch.from_numpy(labels), cfg, torch.from_numpy(u)
+        )
+        expected = [loop[i][labels[i]] for i in range(40)]
+        assert_close(at_labels, expected, atol=F64, what=f"{score.value} scores at the labels (no sort)")
 
 
 def test_threshold_rank_and_too_few_points():

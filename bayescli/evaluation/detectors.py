@@ -72,6 +72,28 @@ def _check_fit(phi: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         raise BayescliError(f"{len(phi)} fitting features but {len(labels)} labels")
 
 
+def _class_scatter(
+    phi: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Means ``[C', D]`` of the ``C'`` classes present, their counts ``[C']`` and the within-class
+    scatter ``Σ_i (φ_i − μ_{y_i})(φ_i − μ_{y_i})ᵀ`` ``[D, D]`` (float64), in chunks: each
+    chunk's product in the features' dtype, summed in float64."""
+    _check_fit(phi, labels)
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, phi.shape[1], dtype=torch.float64)
+    rows = _rows(phi.shape[1])
+    for start in range(0, len(phi), rows):
+        sums.index_add_(0, labels[start : start + rows], phi[start : start + rows].double())
+    present = counts > 0
+    full_means = torch.zeros(num_classes, phi.shape[1], dtype=phi.dtype)
+    full_means[present] = (sums[present] / counts[present, None]).to(phi.dtype)
+    scatter = torch.zeros(phi.shape[1], phi.shape[1], dtype=torch.float64)
+    for start in range(0, len(phi), rows):
+        centred = phi[start : start + rows] - full_means[labels[start : start + rows]]
+        scatter += (centred.T @ centred).double()
+    return full_means[present], counts[present], scatter
+
+
 @dataclass
 class Mahalanobis:
     """Class means ``means [C, D]`` and the Cholesky factor ``chol [D, D]`` of the shared
@@ -88,19 +110,7 @@ class Mahalanobis:
     ) -> Mahalanobis:
         """Fit on in-distribution ``phi [N, D]`` with ``labels [N]``; classes absent from the
         fitting data get no mean (they cannot be the nearest class)."""
-        _check_fit(phi, labels)
-        counts = torch.bincount(labels, minlength=num_classes)
-        sums = torch.zeros(num_classes, phi.shape[1], dtype=torch.float64).index_add_(0, labels, phi.double())
-        present = counts > 0
-        means = (sums[present] / counts[present, None]).to(phi.dtype)
-        full_means = torch.zeros(num_classes, phi.shape[1], dtype=phi.dtype)
-        full_means[present] = means
-        # Centred scatter, chunked: each chunk's product in the features' dtype, summed in float64.
-        scatter = torch.zeros(phi.shape[1], phi.shape[1], dtype=torch.float64)
-        rows = _rows(phi.shape[1])
-        for start in range(0, len(phi), rows):
-            centred = phi[start : start + rows] - full_means[labels[start : start + rows]]
-            scatter += (centred.T @ centred).double()
+        means, counts, scatter = _class_scatter(phi, labels, num_classes)
         return cls(means, _ridged_cholesky(scatter, len(phi), ridge).to(phi.dtype), ridge, len(phi))
 
     def distances(self, phi: torch.Tensor) -> torch.Tensor:
@@ -138,8 +148,18 @@ class RelativeMahalanobis:
     def fit(
         cls, phi: torch.Tensor, labels: torch.Tensor, num_classes: int, ridge: float = 1e-6
     ) -> RelativeMahalanobis:
-        zeros = torch.zeros(len(phi), dtype=torch.long)
-        return cls(Mahalanobis.fit(phi, labels, num_classes, ridge), Mahalanobis.fit(phi, zeros, 1, ridge))
+        means, counts, within = _class_scatter(phi, labels, num_classes)
+        # total scatter = within + between: Σ_c n_c (μ_c − μ)(μ_c − μ)ᵀ, no second pass over φ
+        w = counts.double()
+        mean = (w[:, None] * means.double()).sum(0) / w.sum()
+        dev = means.double() - mean
+        total = within + (dev.T * w) @ dev
+        n = len(phi)
+        classes = Mahalanobis(means, _ridged_cholesky(within, n, ridge).to(phi.dtype), ridge, n)
+        background = Mahalanobis(
+            mean[None].to(phi.dtype), _ridged_cholesky(total, n, ridge).to(phi.dtype), ridge, n
+        )
+        return cls(classes, background)
 
     def score(self, phi: torch.Tensor) -> torch.Tensor:
         """``MD_0(φ) − min_c MD_c(φ)`` ``[N]`` (Ren et al.'s ``−min_c RMD_c``)."""
@@ -240,18 +260,27 @@ class ViM:
             centred = phi[start : start + rows] - origin.to(phi.dtype)
             scatter += (centred.T @ centred).double()
         _, vecs = torch.linalg.eigh(scatter / len(phi))  # ascending eigenvalues
-        null = vecs[:, : d - dim]
-        shifted = phi.double() - origin
-        residual = (shifted @ null).norm(dim=-1)
-        logits = phi.double() @ w.T + b
-        alpha = float(logits.max(-1).values.mean() / residual.mean())
-        return cls(origin, null, alpha, w, b, dim)
+        vim = cls(origin, vecs[:, : d - dim], 0.0, w, b, dim)
+        residual, logits = vim._parts(phi)
+        vim.alpha = float(logits.max(-1).values.mean() / residual.mean())
+        return vim
+
+    def _parts(self, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual norms ``‖(φ − o) P⊥‖`` ``[N]`` and logits ``[N, K]`` (float64), in chunks and in
+        the features' dtype (no float64 copy of the features)."""
+        dt = phi.dtype
+        origin, null, w, b = (t.to(dt) for t in (self.origin, self.null, self.weight, self.bias))
+        res, logits = [], []
+        for start in range(0, len(phi), _rows(phi.shape[1])):
+            x = phi[start : start + _rows(phi.shape[1])]
+            res.append(((x - origin) @ null).norm(dim=-1).double())
+            logits.append(torch.addmm(b, x, w.T).double())
+        return torch.cat(res), torch.cat(logits)
 
     def score(self, phi: torch.Tensor) -> torch.Tensor:
         """``logsumexp(f) − alpha·‖(φ − o) P⊥‖`` ``[N]``."""
-        x = phi.double()
-        residual = ((x - self.origin) @ self.null).norm(dim=-1)
-        return torch.logsumexp(x @ self.weight.T + self.bias, -1) - self.alpha * residual
+        residual, logits = self._parts(phi)
+        return torch.logsumexp(logits, -1) - self.alpha * residual
 
     def params(self) -> dict:
         return {"dim": self.dim, "alpha": self.alpha, "origin": "-pinv(W) b"}
@@ -262,11 +291,17 @@ def percentile(values: torch.Tensor, q: float) -> float:
     flat = values.reshape(-1)
     pos = (q / 100) * (flat.numel() - 1)
     lo = math.floor(pos)
-    lo_val = flat.kthvalue(lo + 1).values.double().item()
+    lo_val = flat.kthvalue(lo + 1).values
     if pos == lo:
-        return lo_val
-    hi_val = flat.kthvalue(lo + 2).values.double().item()
-    return lo_val + (pos - lo) * (hi_val - lo_val)
+        return lo_val.double().item()
+    # the next order statistic: lo_val again if it repeats, else the smallest larger value
+    # (two cheap passes instead of a second selection)
+    if int((flat <= lo_val).sum()) >= lo + 2:
+        hi_val = lo_val
+    else:
+        hi_val = flat.masked_fill(flat <= lo_val, math.inf).min()
+    lo_f, hi_f = lo_val.double().item(), hi_val.double().item()
+    return lo_f + (pos - lo) * (hi_f - lo_f)
 
 
 @dataclass

@@ -86,6 +86,27 @@ def label_scores(probs: torch.Tensor, cfg: ConformalConfig, u: torch.Tensor | No
     return torch.empty_like(by_rank).scatter_(-1, order, by_rank)
 
 
+def true_label_scores(
+    probs: torch.Tensor, labels: torch.Tensor, cfg: ConformalConfig, u: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``label_scores(...)`` at the labels only ``[N]``, without sorting: the classes ranked
+    before ``y`` are those with a larger probability, or an equal one and a smaller index."""
+    p = probs.double()
+    p_y = p.gather(1, labels.view(-1, 1))
+    if cfg.score is ConformalScore.LAC:
+        return 1 - p_y.squeeze(1)
+    index = torch.arange(p.shape[1])
+    before = (p > p_y) | ((p == p_y) & (index < labels.view(-1, 1)))
+    if cfg.randomised and u is None:
+        raise ValueError("randomised scores need u")
+    weight = u.double() if cfg.randomised else 1.0
+    score = (p * before).sum(-1) + weight * p_y.squeeze(1)
+    if cfg.score is ConformalScore.RAPS:
+        rank = before.sum(-1).double() + 1  # float64: int · float would give float32
+        score = score + cfg.lam * (rank - cfg.k_reg).clamp_min(0)
+    return score
+
+
 def uniforms(n: int, seed: int) -> torch.Tensor:
     """The seeded ``U(0, 1)`` draws of randomised scores ``[n]``."""
     return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -108,8 +129,7 @@ def calibrate(probs: torch.Tensor, labels: torch.Tensor, cfg: ConformalConfig, s
     if labels is None:
         raise BayescliError("conformal calibration needs labelled data")
     u = uniforms(len(probs), seed) if cfg.randomised else None
-    scores = label_scores(probs, cfg, u).gather(1, labels.view(-1, 1)).squeeze(1)
-    return threshold(scores, cfg.alpha)
+    return threshold(true_label_scores(probs, labels, cfg, u), cfg.alpha)
 
 
 def prediction_sets(probs: torch.Tensor, q_hat: float, cfg: ConformalConfig, seed: int = 1) -> torch.Tensor:
