@@ -70,12 +70,17 @@ def main() -> None:
     ood = next(iter(res["ood"].values()))
     print(f"MNIST test[:5000] → test[6000:], notMNIST OOD; δ = {report['posterior']['prior_precision']:.4g}, "
           f"T = {proto['temperature']['temperature']:.3f}")  # fmt: skip
-    print("| method | score | AUROC | FPR@95 |")
-    print("|---|---|---:|---:|")
-    for m, per in ood.items():
-        for score, r in per.items():
-            if isinstance(r, dict):
-                print(f"| {m} | {score} | {r['auroc']:.4f} | {r['fpr95']:.4f} |")
+    methods = list(ood)
+    scores = list(dict.fromkeys(s for per in ood.values() for s, r in per.items() if isinstance(r, dict)))
+    print("AUROC / FPR@95 (in-distribution positive; — where a score does not apply)")
+    print("| score | " + " | ".join(methods) + " |")
+    print("|---|" + "---:|" * len(methods))
+    for score in scores:
+        cells = [
+            f"{ood[m][score]['auroc']:.3f} / {ood[m][score]['fpr95']:.3f}" if score in ood[m] else "—"
+            for m in methods
+        ]
+        print(f"| {score} | " + " | ".join(cells) + " |")
     print("\n| method | acc | NLL | ECE | adaptive ECE | classwise ECE | MCE |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for m, r in res["in_distribution"].items():
