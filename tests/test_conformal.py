@@ -131,6 +131,11 @@ def test_topk_curve_matches_algorithm_1():
         assert abs(got["mean_size"] - target) <= min(abs(g - target) for g in grid) + 1e-12
         inside = [int(labels[i]) in order[i, : k[i]].tolist() for i in range(150)]
         assert_close(got["coverage"], np.mean(inside), atol=F64, what="top-k coverage")
+    # Dirichlets so concentrated that no class ever overlaps the next: size 1 at every level
+    sharp_alpha = torch.tensor([[1e9, 1.0, 1.0], [5.0, 1e9, 2.0]], dtype=torch.float64)
+    sharp = cp.TopkCurve(sharp_alpha, None)
+    assert sharp.at_mean_size(2.5)["mean_size"] == 1.0
+    assert list(sharp.sizes(1e-12)) == list(topk_sizes(sharp_alpha, 1e-12, 3)[1]) == [1, 1]
 
 
 def test_conformal_cli(cli, digits_posterior, tmp_path):
