@@ -209,11 +209,12 @@ def evaluate_cmd(
         )
     if "link_fidelity" in res:
         rows = [
-            [link, r["kl_mean"], r["kl_max"], r.get("nll")]
+            [link, r.get("kl_mean"), r.get("kl_max"), r.get("nll"), r.get("noise_floor")]
             for link, r in res["link_fidelity"].items()
-            if link != "mc"
         ]
-        tables.append(c.table("link fidelity: KL(MC ‖ link)", ["link", "mean", "max", "NLL"], rows))
+        tables.append(
+            c.table("link fidelity: KL(MC ‖ link)", ["link", "mean", "max", "NLL", "MC noise floor"], rows)
+        )
     for suite in ("rotation", "fgsm"):
         if suite in res:
             keys = list(res[suite])

@@ -316,7 +316,7 @@ def fidelity_suite(
         )
         prefix = f"{tag}/" if len(posteriors) > 1 else ""
         results |= {prefix + link: row for link, row in rows.items()}
-        warnings += [prefix + line for line in lines]
+        warnings += [f"{tag}: {line}" if prefix else line for line in lines]
         inputs[tag] = keep
     protocol = {
         "inputs": next(iter(inputs.values())) if len(inputs) == 1 else inputs,
