@@ -3,7 +3,9 @@
 Protocol (DESIGN §4, recorded in every report): NLL is the mean negative log-probability of the
 true class (probabilities clamped at 1e-12); Brier is Σ_k (p_k − y_k)² averaged over inputs;
 ECE uses 15 equal-width bins of the top-label confidence, right-closed ``(lo, hi]`` with
-confidence 1.0 in the last bin; MMC is the mean max probability; entropy is in nats.
+confidence 1.0 in the last bin; MCE is the largest bin gap of the same bins; adaptive ECE uses
+15 equal-mass bins; classwise ECE bins each class's probability the same way and averages the
+classes' ECEs; MMC is the mean max probability; entropy is in nats.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ ECE_BINS = 15
 PROTOCOL = {
     "ece_bins": ECE_BINS,
     "ece_binning": "equal-width, right-closed, top-label confidence",
+    "mce": "max bin gap, same bins as ece",
+    "adaptive_ece": "15 equal-mass bins of top-label confidence",
+    "classwise_ece": "15 equal-width bins per class probability, mean over classes",
     "brier": "sum over classes, mean over inputs",
     "nll": "mean -log p(y), p clamped at 1e-12",
     "entropy": "nats",
@@ -65,6 +70,39 @@ def ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
     """Expected calibration error: Σ_b (n_b/N)·|acc_b − conf_b| over equal-width confidence bins."""
     _, correct, confidence = _bins(probs, y, bins)
     return ((correct - confidence).abs().sum() / len(y)).item()
+
+
+def mce(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """Maximum calibration error: ``max_b |acc_b − conf_b|`` over the non-empty equal-width bins."""
+    count, correct, confidence = _bins(probs, y, bins)
+    used = count > 0
+    return ((correct[used] - confidence[used]).abs() / count[used]).max().item()
+
+
+def adaptive_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """ECE over equal-mass bins: inputs sorted by top-label confidence and cut into ``bins``
+    groups whose sizes differ by at most one (the first ``N mod bins`` get the extra input)."""
+    conf, pred = probs.double().max(-1)
+    order = conf.argsort(stable=True)
+    hit = (pred == y).double()[order]
+    conf = conf[order]
+    total = 0.0
+    for part_conf, part_hit in zip(conf.tensor_split(bins), hit.tensor_split(bins), strict=True):
+        if len(part_conf):
+            total += (part_hit.sum() - part_conf.sum()).abs().item()
+    return total / len(y)
+
+
+def classwise_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """Classwise ECE (Kull et al. 2019): for each class ``k``, the equal-width-bin ECE of the
+    probability ``p_k`` against the indicator ``1[y = k]`` over all inputs; mean over classes."""
+    p = probs.double()
+    n, k = p.shape
+    idx = (torch.ceil(p * bins) - 1).clamp(0, bins - 1).long() + bins * torch.arange(k)  # [N, K]
+    onehot = torch.nn.functional.one_hot(y, k).double()
+    zeros = torch.zeros(k * bins, dtype=torch.float64)
+    gap = zeros.index_add(0, idx.reshape(-1), (onehot - p).reshape(-1))  # Σ_bin (1[y=k] − p_k)
+    return (gap.abs().sum() / (n * k)).item()
 
 
 def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[str, float]:

@@ -99,6 +99,8 @@ class TrainConfig:
 
 # Methods `evaluate` compares when --methods is not given.
 DEFAULT_METHODS = "map,glm-probit,glm-bridge"
+# OOD scores `evaluate` reports when --ood-scores is not given (names as on the command line).
+DEFAULT_OOD_SCORES = "msp,entropy,maxlogit,energy,mahalanobis,knn,alpha0,mi"
 
 
 class PreprocessPreset(str, Enum):

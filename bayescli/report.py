@@ -1,8 +1,10 @@
 """Pictures and a self-contained HTML page from an evaluation report (a JSON dictionary).
 
-Figures: reliability diagrams per method, accuracy / NLL / ECE / MMC against rotation angle,
-corruption severity (mean over corruptions) and FGSM ε, and ROC curves per OOD set. The HTML
-embeds the PNGs (base64) and the summary tables, so it is one file that opens anywhere.
+Figures: reliability diagrams per method (with the confidence histogram under each), accuracy /
+NLL / ECE / MMC against rotation angle, corruption severity (mean over corruptions) and FGSM ε,
+ROC curves per OOD set, and conformal coverage against mean set size. The HTML embeds the PNGs
+(base64) and the summary tables (OOD: every score; conformal sets; link fidelity), so it is one
+file that opens anywhere.
 """
 
 from __future__ import annotations
@@ -32,21 +34,27 @@ def _png(fig) -> bytes:
 
 def _reliability(results: dict) -> bytes:
     methods = list(results["in_distribution"])
-    fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.2), squeeze=False)
-    for ax, m in zip(axes[0], methods, strict=True):
+    fig, axes = plt.subplots(
+        2,
+        len(methods),
+        figsize=(3.2 * len(methods), 4.4),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 1]},
+        sharex=True,
+    )
+    for ax, hist, m in zip(axes[0], axes[1], methods, strict=True):
         rel = results["in_distribution"][m]["reliability"]
         bins = len(rel["count"])
         centres = [(i + 0.5) / bins for i in range(bins)]
         acc = [a if c > 0 else 0 for a, c in zip(rel["accuracy"], rel["count"], strict=True)]
         ax.bar(centres, acc, width=1 / bins, edgecolor="black", alpha=0.7, label="accuracy")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set(
-            title=f"{m}: ECE {results['in_distribution'][m]['ece']:.3f}",
-            xlabel="confidence",
-            xlim=(0, 1),
-            ylim=(0, 1),
-        )
+        ax.set(title=f"{m}: ECE {results['in_distribution'][m]['ece']:.3f}", xlim=(0, 1), ylim=(0, 1))
+        total = max(1.0, sum(rel["count"]))
+        hist.bar(centres, [c / total for c in rel["count"]], width=1 / bins, color="grey", edgecolor="black")
+        hist.set(xlabel="confidence", xlim=(0, 1))
     axes[0][0].set_ylabel("accuracy (in-distribution)")
+    axes[1][0].set_ylabel("fraction of inputs")
     return _png(fig)
 
 
@@ -68,11 +76,32 @@ def _roc(ood: dict) -> bytes:
     fig, axes = plt.subplots(1, len(sets), figsize=(3.3 * len(sets), 3.2), squeeze=False)
     for ax, name in zip(axes[0], sets, strict=True):
         for m, res in ood[name].items():
-            roc = res["max_prob"]["roc"]
-            ax.plot(roc["fpr"], roc["tpr"], label=f"{m} ({res['max_prob']['auroc']:.3f})")
+            score = (
+                "max_prob" if "max_prob" in res else next(k for k, v in res.items() if isinstance(v, dict))
+            )
+            roc = res[score]["roc"]
+            ax.plot(roc["fpr"], roc["tpr"], label=f"{m} {score} ({res[score]['auroc']:.3f})")
         ax.plot([0, 1], [0, 1], "k:", lw=1)
         ax.set(title=f"OOD: {name}", xlabel="FPR", ylabel="TPR (in-distribution)")
         ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _conformal(conformal: dict, alpha: float) -> bytes:
+    """Coverage against mean set size per score; methods as points, top-k at the same size as x."""
+    scores = list(next(iter(conformal.values())))
+    fig, axes = plt.subplots(1, len(scores), figsize=(3.3 * len(scores), 3.2), squeeze=False, sharey=True)
+    for ax, score in zip(axes[0], scores, strict=True):
+        for m, per in conformal.items():
+            row = per[score]
+            (dot,) = ax.plot(row["mean_size"], row["coverage"], "o", label=m)
+            topk = row["topk_same_size"]
+            if "coverage" in topk:
+                ax.plot(topk["mean_size"], topk["coverage"], "x", color=dot.get_color())
+        ax.axhline(1 - alpha, color="k", ls=":", lw=1)
+        ax.set(title=f"{score} (x: top-k, same size)", xlabel="mean set size")
+    axes[0][0].set_ylabel("coverage")
+    axes[0][0].legend(fontsize=7)
     return _png(fig)
 
 
@@ -101,6 +130,8 @@ def figures(report: dict) -> dict[str, bytes]:
         out["fgsm"] = _curves({eps[k]: v for k, v in res["fgsm"].items()}, "ε (pixels)", "FGSM")
     if "ood" in res:
         out["ood_roc"] = _roc(res["ood"])
+    if "conformal" in res:
+        out["conformal"] = _conformal(res["conformal"], report["protocol"]["conformal"]["alpha"])
     return out
 
 
@@ -116,14 +147,16 @@ def _table(title: str, header: list[str], rows: list[list]) -> str:
 def render_html(report: dict, images: dict[str, bytes]) -> str:
     """One self-contained HTML page."""
     res = report["results"]
-    metrics = ["accuracy", "nll", "brier", "ece", "mmc", "entropy", "accuracy_at_90", "aurc"]
-    parts = [
+    metrics = ["accuracy", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "mce", "mmc", "entropy"]
+    metrics += ["accuracy_at_90", "aurc"]
+    parts = [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in report.get("warnings", [])]
+    parts.append(
         _table(
             "In-distribution",
             ["method", *metrics],
-            [[m, *(v[k] for k in metrics)] for m, v in res["in_distribution"].items()],
+            [[m, *(v.get(k, "") for k in metrics)] for m, v in res["in_distribution"].items()],
         )
-    ]
+    )
     if "ood" in res:
         rows = [
             [name, m, score, d["auroc"], d["aupr_in"], d["aupr_out"], d["fpr95"], r["mmc"]]
@@ -136,6 +169,34 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
             _table(
                 "Out-of-distribution (in-distribution positive)",
                 ["set", "method", "score", "AUROC", "AUPR-in", "AUPR-out", "FPR@95", "MMC"],
+                rows,
+            )
+        )
+    if "conformal" in res:
+        rows = [
+            [m, score, r["threshold"], r.get("coverage", ""), r["mean_size"], t["threshold"], t["mean_size"]]
+            + [t.get("coverage", "")]
+            for m, per in res["conformal"].items()
+            for score, r in per.items()
+            for t in [r["topk_same_size"]]
+        ]
+        alpha = report["protocol"]["conformal"]["alpha"]
+        parts.append(
+            _table(
+                f"Conformal sets (alpha = {alpha}) and uncertainty-aware top-k at the same mean size",
+                ["method", "score", "q̂", "coverage", "mean size", "top-k T", "top-k size", "top-k coverage"],
+                rows,
+            )
+        )
+    if "link_fidelity" in res:
+        rows = [
+            [k, *(r.get(key, "") for key in ("kl_mean", "kl_max", "nll", "noise_floor"))]
+            for k, r in res["link_fidelity"].items()
+        ]
+        parts.append(
+            _table(
+                "Link fidelity: KL(MC ‖ link) on the protocol's test subset (mc: the reference)",
+                ["link", "mean KL", "max KL", "NLL", "MC noise floor"],
                 rows,
             )
         )
@@ -159,6 +220,7 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>bayescli report</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}img{max-width:100%}"
+        ".warn{color:#a40}"
         "</style></head><body>"
         f"<h1>bayescli evaluation: {html.escape(report['data']['spec'])}</h1><p>{model}</p>"
         f"{''.join(parts)}{imgs}<h2>Protocol</h2><pre>{proto}</pre></body></html>"

@@ -144,7 +144,7 @@ def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_pa
     schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
     jsonschema.validate(report, schema)
     r = report["results"]
-    assert set(r) == {"in_distribution", "ood", "rotation", "corruption", "fgsm"}
+    assert set(r) == {"in_distribution", "ood", "rotation", "corruption", "fgsm", "link_fidelity"}
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-bridge"]
     assert "neg_mutual_information" in r["ood"]["patches"]["glm-mc"]
     assert "alpha0" in r["ood"]["patches"]["glm-bridge"]
@@ -269,3 +269,133 @@ def test_mc_mutual_information_score_against_independent_sampling():
         c = -(p * np.log(p.mean(0))).sum(1) + (p * log_p).sum(1)
         mi, se = c.mean(), c.std() * np.sqrt(1 / 20_000 + 1 / 100_000)
         assert_close(ours[i], mi, atol=6 * se, what="MC mutual information vs own sampling (6 SE)")
+
+
+def test_parse_baseline_and_bridge_variant_methods():
+    from bayescli.options import BridgeCorrection
+
+    methods = {m.name: m for m in parse_methods("map,temp,glm-bridge,glm-bridge-norm,glm-bridge-none")}
+    assert methods["temp"].predictive is None
+    assert methods["glm-bridge"].correction is BridgeCorrection.ZERO_SUM
+    assert methods["glm-bridge-norm"].correction is BridgeCorrection.NORM
+    assert methods["glm-bridge-none"].correction is BridgeCorrection.NONE
+    with pytest.raises(BayescliError, match="unknown method"):
+        parse_methods("glm-bridge-magic")
+
+
+def _schema_leaf(schema: dict, node: dict, path: list[str]) -> dict | None:
+    """The sub-schema that describes ``path`` (None if the schema does not name it)."""
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].split("/")[-1]]
+    if not path:
+        return node
+    for part in node.get("allOf", []):
+        found = _schema_leaf(schema, part, path)
+        if found is not None and found.get("type") in ("number", "integer"):
+            return found
+    if path[0] in node.get("properties", {}):
+        return _schema_leaf(schema, node["properties"][path[0]], path[1:])
+    if isinstance(node.get("additionalProperties"), dict):
+        return _schema_leaf(schema, node["additionalProperties"], path[1:])
+    return None
+
+
+def _number_paths(tree: dict, prefix: tuple = ()) -> list[tuple]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _number_paths(value, (*prefix, key))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out.append((*prefix, key))
+    return out
+
+
+def test_evaluate_baselines_report_schema_and_gates(cli, digits_posterior, tmp_path):
+    from importlib.resources import files
+
+    import jsonschema
+
+    out = tmp_path / "report.json"
+    args = [
+        "evaluate", "--posterior", digits_posterior, "--data", "digits:test", "--limit", "160",
+        "--methods", "map,temp,glm-probit,glm-bridge-norm", "--ood", "patches", "--ood-limit", "80",
+        "--ood-scores", "msp,entropy,alpha0,mi,maxlogit,energy,mahalanobis,rel-mahalanobis,knn,vim,react,"
+        "odin",
+        "--conformal", "0.2", "--fidelity-inputs", "64", "--out", out, "--html", tmp_path / "r.html",
+    ]  # fmt: skip
+    gates = [
+        "conformal.temp.raps.coverage < 0.3",
+        "conformal.map.lac.topk_same_size.coverage < 0.3",
+        "ood.patches.map.knn.auroc < 0.5",
+        "ood.patches.temp.energy.fpr95 > 0.99",
+        "link_fidelity.bridge-norm.kl_mean > 100",
+        "in_distribution.temp.adaptive_ece > 0.5",
+    ]
+    res = cli(*args, *[a for g in gates for a in ("--fail-if", g)])
+    assert res.code == 0, res.err
+    report = json.loads(out.read_text())
+    schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
+    jsonschema.validate(report, schema)
+    assert not any(g["failed"] for g in report["gates"])
+    # every --fail-if path of the report is described by the schema as a number
+    for path in _number_paths(report["results"]):
+        leaf = _schema_leaf(schema, schema["properties"]["results"], list(path))
+        assert leaf is not None and leaf.get("type") in ("number", "integer"), path
+    r, proto = report["results"], report["protocol"]
+    assert set(r["ood"]["patches"]["map"]) - {"mmc"} == {
+        "max_prob", "neg_entropy", "max_logit", "energy", "mahalanobis", "rel_mahalanobis", "knn", "vim",
+        "react", "odin",
+    }  # fmt: skip
+    assert set(r["ood"]["patches"]["temp"]) == {"mmc", "max_prob", "neg_entropy", "max_logit", "energy"}
+    assert "neg_mutual_information" in r["ood"]["patches"]["glm-bridge-norm"]
+    assert proto["ood"]["fit_data"]["spec"] == "digits:train"
+    assert proto["ood"]["detectors"]["knn"]["fit_points"] == len(load_data("digits:train"))
+    assert proto["temperature"]["data"]["spec"] == "digits:val" and proto["temperature"]["temperature"] > 0
+    assert r["in_distribution"]["temp"]["nll"] != r["in_distribution"]["map"]["nll"]
+    assert proto["conformal"]["calibration_points"] == 80 and set(r["conformal"]["map"]) == {
+        "lac", "aps", "aps-random", "raps",
+    }  # fmt: skip
+    assert {"probit", "sodpp", "bridge", "bridge-none", "bridge-norm", "map", "mc"} == set(r["link_fidelity"])
+    assert "timings" in report and report["timings"]["score.odin"] > 0
+    # the failing direction exits 1
+    assert cli(*args, "--fail-if", "conformal.map.lac.coverage > 0.3").code == 1
+
+
+def test_detectors_are_fitted_on_the_fitting_data_only(digits_posterior):
+    """The report's detector AUROCs equal those of detectors fitted directly on the posterior's
+    fitting data (digits:train) and applied to the test and OOD features: nothing is fitted on
+    the scored sets, OOD or not."""
+    from bayescli.evaluation import detectors as det
+    from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
+    from bayescli.evaluation.runner import EvalConfig, load_ood, run_evaluation
+    from bayescli.features import extract_features
+    from bayescli.posterior.base import load_posterior
+
+    post = load_posterior(digits_posterior)
+    model = post.load_model()
+    test = load_data("digits:test", limit=80)
+    cfg = EvalConfig(
+        methods=parse_methods("map"),
+        ood=["patches"],
+        ood_limit=40,
+        baselines=BaselineConfig(
+            ood_scores=parse_ood_scores("mahalanobis,rel-mahalanobis,knn,vim,react"), fidelity_inputs=0
+        ),
+    )
+    report = run_evaluation({"post": post}, model, test, cfg)["results"]["ood"]["patches"]["map"]
+    fit = extract_features(model, load_data("digits:train"))
+    head = model.classifier.head
+    w, b = head.weight.detach(), head.bias.detach()
+    k = model.classifier.num_classes
+    direct = {
+        "mahalanobis": det.Mahalanobis.fit(fit.phi, fit.labels, k),
+        "rel_mahalanobis": det.RelativeMahalanobis.fit(fit.phi, fit.labels, k),
+        "knn": det.KNN.fit(fit.phi, 10, 10_000),
+        "vim": det.ViM.fit(fit.phi, w, b),
+        "react": det.ReAct.fit(fit.phi, w, b),
+    }
+    phi_in = extract_features(model, test).phi
+    phi_out = extract_features(model, load_ood("patches", test, cfg)).phi
+    for name, d in direct.items():
+        expected = ood_metrics(d.score(phi_in), d.score(phi_out))["auroc"]
+        assert_close(report[name]["auroc"], expected, atol=1e-12, what=f"{name} fitted on digits:train")

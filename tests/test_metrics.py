@@ -103,3 +103,69 @@ def test_ood_orientation_in_distribution_is_positive():
     assert_close(m["auroc"], 8 / 9, atol=F64, what="auroc, 8 of 9 pairs ordered")
     flipped = ood_metrics(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 3.0]))["auroc"]
     assert_close(flipped, 0.0, atol=F64, what="auroc, every pair reversed")
+
+
+def _classwise_ece_oracle(p: np.ndarray, y: np.ndarray, bins: int) -> float:
+    """Per class, the right-closed equal-width-bin ECE of p_k against 1[y = k]; mean over classes."""
+    total = 0.0
+    for k in range(p.shape[1]):
+        conf, hit = p[:, k], (y == k).astype(float)
+        for b in range(bins):
+            lo, hi = b / bins, (b + 1) / bins
+            inside = (conf > lo) & (conf <= hi) if b else (conf <= hi)
+            if inside.any():
+                total += inside.sum() / len(y) * abs(hit[inside].mean() - conf[inside].mean())
+    return total / p.shape[1]
+
+
+def _adaptive_and_max_oracle(p: np.ndarray, y: np.ndarray, bins: int) -> tuple[float, float]:
+    """Equal-mass ECE (np.array_split of the confidence-sorted inputs) and the max gap of the
+    equal-width bins."""
+    conf, hit = p.max(1), (p.argmax(1) == y).astype(float)
+    order = np.argsort(conf, kind="stable")
+    adaptive = sum(
+        len(idx) / len(y) * abs(hit[idx].mean() - conf[idx].mean())
+        for idx in np.array_split(order, bins)
+        if len(idx)
+    )
+    gaps = []
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = (conf > lo) & (conf <= hi) if b else (conf <= hi)
+        if inside.any():
+            gaps.append(abs(hit[inside].mean() - conf[inside].mean()))
+    return adaptive, max(gaps)
+
+
+def test_calibration_extras_against_numpy_loops():
+    from bayescli.metrics import adaptive_ece, classwise_ece, mce
+
+    rng = np.random.default_rng(5)
+    # labels drawn from p make the bin gaps change sign, so the binning matters (with random
+    # labels every bin is over-confident and any binning gives the same adaptive ECE);
+    # 7 < 15 bins: equal-mass bins of one input and empty ones
+    for n, drawn in ((500, True), (500, False), (7, True)):
+        p = rng.dirichlet(np.full(6, 0.5), size=n)
+        y = (p.cumsum(1) > rng.random((n, 1))).argmax(1) if drawn else rng.integers(0, 6, size=n)
+        probs, labels = torch.from_numpy(p), torch.from_numpy(y)
+        expected = _classwise_ece_oracle(p, y, 15)
+        assert_close(classwise_ece(probs, labels), expected, rtol=F64, what="classwise ece")
+        adaptive, maximum = _adaptive_and_max_oracle(p, y, 15)
+        assert_close(adaptive_ece(probs, labels), adaptive, rtol=F64, what=f"adaptive ece n={n}")
+        assert_close(mce(probs, labels), maximum, rtol=F64, what=f"mce n={n}")
+
+
+def test_calibration_extras_on_hand_table():
+    from bayescli.metrics import adaptive_ece, classwise_ece, mce
+
+    # top-label gaps of TABLE's four inputs (each alone in its 15-bin): 0.3, 0.6, 0.5, 0.4
+    assert_close(mce(TABLE, LABELS), 0.6, rtol=F64, what="mce")
+    # 4 inputs in 15 equal-mass bins: one input per bin, the same as the 15-bin ECE here
+    assert_close(adaptive_ece(TABLE, LABELS), (0.3 + 0.6 + 0.5 + 0.4) / 4, rtol=F64, what="adaptive ece")
+    # class 0: p = .7 (label), .1, .25, .3 (label); class 1: .2, .6, .25, .4 (never the label);
+    # class 2: .1, .3 (label), .5 (label), .3. Within a class every p sits in its own 1/15-wide
+    # bin, except class 2's two 0.3s, which share one: |(1 + 0)/2 − 0.3| · 2/4
+    c0 = (0.3 + 0.1 + 0.25 + 0.7) / 4
+    c1 = (0.2 + 0.6 + 0.25 + 0.4) / 4
+    c2 = (0.1 + 0.5 + 2 * abs(0.5 - 0.3)) / 4
+    assert_close(classwise_ece(TABLE, LABELS), (c0 + c1 + c2) / 3, rtol=F64, what="classwise ece")

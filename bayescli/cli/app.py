@@ -10,6 +10,7 @@ import typer
 
 from bayescli._version import __version__
 from bayescli.cli import common
+from bayescli.cli.conformal import conformal_cmd
 from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
@@ -23,7 +24,7 @@ app = typer.Typer(
     name="bayescli",
     help="Post-hoc Bayesian uncertainty for pretrained classifiers: Laplace approximations, "
     "variational posteriors (MNVI, FSVI, Dirichlet fVI), GLM predictives, the Laplace bridge, "
-    "uncertainty-aware top-k and their evaluation.",
+    "uncertainty-aware top-k, conformal sets and their evaluation against post-hoc baselines.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -56,6 +57,7 @@ app.command("fit-laplace")(fit_laplace_cmd)
 app.command("fit-vi")(fit_vi_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)
+app.command("conformal")(conformal_cmd)
 app.command("evaluate")(evaluate_cmd)
 app.command("report")(report_cmd)
 app.command()(demo)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from bayescli.cli import common as c
-from bayescli.options import DEFAULT_METHODS, GGPMode
+from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode
 
 
 def evaluate_cmd(
@@ -23,7 +23,11 @@ def evaluate_cmd(
     out: Annotated[Path | None, typer.Option(help="Report JSON to write.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report.")] = None,
     methods: Annotated[
-        str, typer.Option(help="map and/or PREDICTIVE-LINK, comma-separated.")
+        str,
+        typer.Option(
+            help="map, temp (temperature-scaled MAP) and/or PREDICTIVE-LINK (glm-bridge-norm / "
+            "glm-bridge-none pick a bridge correction), comma-separated."
+        ),
     ] = DEFAULT_METHODS,
     ood: Annotated[
         list[str] | None,
@@ -32,6 +36,38 @@ def evaluate_cmd(
     ood_limit: Annotated[
         int | None, typer.Option(min=1, help="Inputs per OOD set (default: as many as the test set).")
     ] = None,
+    ood_scores: Annotated[
+        str,
+        typer.Option(
+            help="OOD scores, comma-separated: msp, entropy, alpha0, mi, maxlogit, energy, mahalanobis, "
+            "rel-mahalanobis, knn, vim, react, odin (needs input gradients)."
+        ),
+    ] = DEFAULT_OOD_SCORES,
+    fit_data: Annotated[
+        str | None,
+        typer.Option(
+            help="In-distribution data the detectors fit on (default: the posterior's fitting data)."
+        ),
+    ] = None,
+    fit_cache: Annotated[
+        Path | None, typer.Option(help="Cache file for the fitting data's features (reused when it matches).")
+    ] = None,
+    val_data: Annotated[
+        str | None,
+        typer.Option(help="Labelled data the temp method fits T on (default: the fitting data's val split)."),
+    ] = None,
+    conformal: Annotated[
+        float | None,
+        typer.Option(
+            min=1e-6,
+            max=1 - 1e-6,
+            help="Run split conformal sets at miscoverage ALPHA (calibrated on a seeded half of --data).",
+        ),
+    ] = None,
+    fidelity_inputs: Annotated[
+        int,
+        typer.Option(min=0, help="Test inputs for the link-fidelity check (KL to MC, 10⁴ draws); 0 = off."),
+    ] = 256,
     rotation: Annotated[str | None, typer.Option(help="Angles START:STOP:STEP, e.g. 0:180:15.")] = None,
     corruption: Annotated[str | None, typer.Option(help="all or NAME,NAME,...")] = None,
     severity: Annotated[str, typer.Option(help="1-5 or 1,3,5.")] = "1-5",
@@ -60,16 +96,21 @@ def evaluate_cmd(
     quiet: c.Quiet = False,
     as_json: c.Json = False,
 ) -> int:
-    """Compare MAP with Laplace / VI predictives on in-distribution, OOD, rotated, corrupted and
-    adversarial inputs; write one JSON report and gate on it.
+    """Compare MAP, temperature scaling and Laplace / VI predictives; write one JSON report and gate on it.
 
-    Example: bayescli evaluate --posterior posterior.safetensors --data digits:test --ood noise:uniform
-    --ood patches --rotation 0:180:15 --corruption all --fgsm 0,2/255,8/255 --out report.json
+    Suites: in-distribution (with calibration metrics and link fidelity), OOD (Bayesian scores
+    beside MaxLogit, energy, Mahalanobis, KNN, ViM, ReAct, ODIN), conformal sets, rotation,
+    corruption and FGSM.
+
+    Example: bayescli evaluate --posterior posterior.safetensors --data digits:test
+    --methods map,temp,glm-probit,glm-bridge --ood noise:uniform --ood patches
+    --ood-scores msp,energy,mahalanobis,knn,mi --conformal 0.1 --rotation 0:180:15 --out report.json
     --html report.html --fail-if "ood.patches.glm-probit.max_prob.auroc < 0.8"
     """
     from bayescli.data.corruptions import parse_corruptions, parse_severities
     from bayescli.data.shifts import parse_angles
     from bayescli.evaluation.attacks import parse_epsilons
+    from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
     from bayescli.evaluation.gates import check_gates, parse_gate
     from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.runner import EvalConfig, run_evaluation
@@ -99,6 +140,14 @@ def evaluate_cmd(
         device=c.resolve_device(device),
         num_workers=num_workers,
         skip_unreadable=skip_unreadable,
+        baselines=BaselineConfig(
+            ood_scores=parse_ood_scores(ood_scores),
+            fit_data=fit_data,
+            val_data=val_data,
+            fit_cache=fit_cache,
+            conformal=conformal,
+            fidelity_inputs=fidelity_inputs,
+        ),
     )
     posts = c.tagged_posteriors([load_posterior(p) for p in posterior], posterior)
     model = next(iter(posts.values())).load_model(checkpoint)
@@ -126,18 +175,58 @@ def evaluate_cmd(
         c.metrics_table(
             f"in-distribution: {test.spec}",
             {
-                m: {k: v[k] for k in ("accuracy", "nll", "ece", "brier", "mmc", "aurc")}
+                m: {
+                    k: v[k]
+                    for k in (
+                        "accuracy",
+                        "nll",
+                        "ece",
+                        "adaptive_ece",
+                        "classwise_ece",
+                        "brier",
+                        "mmc",
+                        "aurc",
+                    )
+                }
                 for m, v in res["in_distribution"].items()
             },
         )
     ]
     if "ood" in res:
+        for name, per in res["ood"].items():
+            scores = list(dict.fromkeys(s for r in per.values() for s, d in r.items() if isinstance(d, dict)))
+            rows = [
+                [m, *(r[s]["auroc"] if s in r else None for s in scores), r["mmc"]] for m, r in per.items()
+            ]
+            tables.append(c.table(f"OOD {name}: AUROC by score", ["method", *scores, "MMC"], rows))
+    if "conformal" in res:
         rows = [
-            [name, m, r["max_prob"]["auroc"], r["max_prob"]["fpr95"], r["mmc"]]
-            for name, per in res["ood"].items()
-            for m, r in per.items()
+            [
+                m,
+                score,
+                r["coverage"],
+                r["mean_size"],
+                r["topk_same_size"]["mean_size"],
+                r["topk_same_size"]["coverage"],
+            ]
+            for m, per in res["conformal"].items()
+            for score, r in per.items()
         ]
-        tables.append(c.table("OOD (max-prob score)", ["set", "method", "AUROC", "FPR@95", "MMC"], rows))
+        tables.append(
+            c.table(
+                f"conformal sets, alpha = {conformal}",
+                ["method", "score", "coverage", "mean size", "top-k size", "top-k coverage"],
+                rows,
+            )
+        )
+    if "link_fidelity" in res:
+        rows = [
+            [link, r.get("kl_mean"), r.get("kl_max"), r.get("nll"), r.get("noise_floor")]
+            for link, r in res["link_fidelity"].items()
+        ]
+        tables.append(
+            c.table("link fidelity: KL(MC ‖ link)", ["link", "mean", "max", "NLL", "MC noise floor"], rows)
+        )
     for suite in ("rotation", "fgsm"):
         if suite in res:
             keys = list(res[suite])
@@ -155,6 +244,8 @@ def evaluate_cmd(
             f"[{'red' if g['failed'] else 'green'}]{'FAILED' if g['failed'] else 'passed'}: "
             f"{g['condition']} (value {g['value']:.4f})"
         )
+    for line in report["warnings"]:
+        c.warn(line)
     c.show(quiet, as_json, *tables, payload=report)
     failed = [g for g in outcomes if g["failed"]]
     if failed:

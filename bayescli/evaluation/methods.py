@@ -1,4 +1,6 @@
-"""Methods compared by ``evaluate``: ``map`` and any ``PREDICTIVE-LINK`` (e.g. ``glm-probit``).
+"""Methods compared by ``evaluate``: ``map``, ``temp`` (temperature-scaled MAP) and any
+``PREDICTIVE-LINK`` (e.g. ``glm-probit``; ``glm-bridge-norm`` / ``glm-bridge-none`` pick a
+bridge correction other than the default).
 
 Every method runs on the same extracted features; each returns probabilities and the OOD
 scores that fit it, all oriented so that *higher means in-distribution*:
@@ -15,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
 from bayescli.metrics import entropy
 from bayescli.models import Classifier
-from bayescli.options import Link, Predictive
+from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
@@ -34,13 +36,17 @@ class Method:
     name: str
     predictive: Predictive | None
     link: Link | None
+    correction: BridgeCorrection = DEFAULT_CORRECTION
     posterior: str | None = None
+
+
+BASELINES = ("map", "temp")  # the network's own softmax, and softmax(f / T) with T fitted
 
 
 def expand_methods(methods: list[Method], tags: list[str]) -> list[Method]:
     """One method per posterior tag; names gain a ``TAG/`` prefix when there are several tags.
 
-    ``map`` needs no posterior and is kept once.
+    ``map`` and ``temp`` need no posterior and are kept once.
     """
     out = []
     for m in methods:
@@ -49,24 +55,28 @@ def expand_methods(methods: list[Method], tags: list[str]) -> list[Method]:
             continue
         for tag in tags:
             name = f"{tag}/{m.name}" if len(tags) > 1 else m.name
-            out.append(Method(name, m.predictive, m.link, tag))
+            out.append(Method(name, m.predictive, m.link, m.correction, tag))
     return out
 
 
 def parse_methods(text: str) -> list[Method]:
-    """``map,glm-probit,glm-bridge`` → methods (unknown names are a usage error)."""
+    """``map,temp,glm-probit,glm-bridge-norm`` → methods (unknown names are a usage error)."""
     out = []
     for name in (t.strip() for t in text.split(",") if t.strip()):
-        if name == "map":
+        if name in BASELINES:
             out.append(Method(name, None, None))
             continue
         pred, _, link = name.partition("-")
+        link, _, correction = link.partition("-") if link.startswith("bridge-") else (link, "", "")
         try:
-            out.append(Method(name, Predictive(pred), Link(link)))
+            out.append(
+                Method(name, Predictive(pred), Link(link), BridgeCorrection(correction or DEFAULT_CORRECTION))
+            )
         except ValueError:
             raise BayescliError(
-                f"unknown method '{name}'; use map or PREDICTIVE-LINK with PREDICTIVE in "
+                f"unknown method '{name}'; use map, temp or PREDICTIVE-LINK with PREDICTIVE in "
                 f"{', '.join(p.value for p in Predictive)} and LINK in {', '.join(v.value for v in Link)}"
+                f" (bridge-{'/bridge-'.join(c.value for c in BridgeCorrection)} choose a correction)"
             ) from None
     if not out:
         raise BayescliError("--methods is empty")
@@ -87,17 +97,33 @@ def run_method(
     posterior: Posterior | None,
     feats: Features,
     classifier: Classifier,
-    data: ArrayData,
+    data: Data,
     samples: int,
     seed: int,
     ggp: GGPPredictor | None = None,
+    temperature: float | None = None,
 ) -> MethodOutput:
-    """Apply ``method`` to the inputs whose features are ``feats`` (``posterior`` unused by ``map``)."""
+    """Apply ``method`` to the inputs whose features are ``feats`` (``posterior`` unused by ``map``
+    and ``temp``; ``temp`` needs ``temperature``)."""
     if method.predictive is None:
         start = time.perf_counter()
-        probs = feats.logits.softmax(-1)
+        if method.name == "temp" and temperature is None:
+            raise BayescliError("the temp method needs a fitted temperature (validation data)")
+        logits = feats.logits if method.name == "map" else feats.logits / temperature
+        probs = logits.softmax(-1)
         return MethodOutput(probs, _base_scores(probs), {"link": time.perf_counter() - start})
-    pred = predict(posterior, feats, method.predictive, method.link, samples, seed, classifier, data, ggp=ggp)
+    pred = predict(
+        posterior,
+        feats,
+        method.predictive,
+        method.link,
+        samples,
+        seed,
+        classifier,
+        data,
+        method.correction,
+        ggp=ggp,
+    )
     scores = _base_scores(pred.probs)
     if pred.alpha is not None:
         scores["alpha0"] = dirichlet.precision(pred.alpha)

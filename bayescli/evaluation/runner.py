@@ -23,8 +23,15 @@ from bayescli.data.corruptions import APPROXIMATIONS, OfficialSource, corrupt, p
 from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
 from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import fgsm
+from bayescli.evaluation.baselines import (
+    BaselineConfig,
+    Baselines,
+    calibration_extras,
+    conformal_suite,
+    fidelity_suite,
+)
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
-from bayescli.features import check_input_shape, extract_features
+from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import PROTOCOL, accuracy, classification_summary, ood_metrics, reliability, selective
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Predictive
@@ -33,7 +40,7 @@ from bayescli.predictive.ggp import fit_ggp
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -58,6 +65,7 @@ class EvalConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     num_workers: int = 0
     skip_unreadable: bool = False
+    baselines: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 class Evaluator:
@@ -73,6 +81,7 @@ class Evaluator:
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0}
         self.n_forward = 0
         self.map_accuracy: float | None = None  # on the first labelled set (the clean test set)
+        self.last_features: Features | None = None
         self.ggp: dict[str, object] = {}
         for tag in {m.posterior for m in self.methods if m.predictive is Predictive.GGP}:
             post = posteriors[tag]
@@ -91,9 +100,12 @@ class Evaluator:
                 skip_unreadable=cfg.skip_unreadable,
             )
             self.timings[f"ggp_fit.{tag}" if len(posteriors) > 1 else "ggp_fit"] = time.perf_counter() - start
+        self.baselines = Baselines(next(iter(posteriors.values())), model, cfg)
+        self.temperature = self.baselines.temperature.temperature if self.baselines.temperature else None
 
-    def outputs(self, data: Data) -> dict[str, MethodOutput]:
-        """Every method's output on ``data`` (one backbone pass)."""
+    def outputs(self, data: Data, detect: bool = False) -> dict[str, MethodOutput]:
+        """Every method's output on ``data`` (one backbone pass); ``detect`` adds the OOD
+        detectors' scores."""
         attack_before = self.timings["attack"]
         feats = extract_features(self.model, data, self.cfg.batch_size, self.cfg.device)
         self.model.classifier.cpu()
@@ -114,10 +126,14 @@ class Evaluator:
                 self.cfg.samples,
                 self.cfg.seed,
                 self.ggp.get(m.posterior),
+                self.temperature,
             )
             for key, sec in out.seconds.items():
                 self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
             outs[m.name] = out
+        if detect:
+            self.baselines.score(outs, feats, data)
+        self.last_features = feats
         return outs
 
     def summaries(self, data: Data) -> dict[str, dict]:
@@ -130,6 +146,7 @@ def _in_distribution(data: Data, outs: dict[str, MethodOutput]) -> dict:
     for name, o in outs.items():
         res[name] = {
             **classification_summary(o.probs, data.y),
+            **calibration_extras(o.probs, data.y),
             **selective(o.probs, data.y),
             "reliability": reliability(o.probs, data.y),
         }
@@ -195,7 +212,8 @@ def run_evaluation(
     check_input_shape(model, test)
     ev = Evaluator(posteriors, model, cfg)
     start = time.perf_counter()
-    clean = ev.outputs(test)
+    clean = ev.outputs(test, detect=bool(cfg.ood))
+    clean_feats = ev.last_features
     results: dict = {"in_distribution": _in_distribution(test, clean)}
     protocol: dict = {
         **PROTOCOL,
@@ -206,18 +224,32 @@ def run_evaluation(
     if ev.ggp:
         infos = {tag: g.info for tag, g in ev.ggp.items()}
         protocol["ggp"] = next(iter(infos.values())) if len(posteriors) == 1 else infos
+    if ev.baselines.temperature is not None:
+        protocol["temperature"] = ev.baselines.temperature_protocol()
+    warnings: list[str] = []
+    if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in ev.methods):
+        t0 = time.perf_counter()
+        results["link_fidelity"], protocol["link_fidelity"], warnings = fidelity_suite(
+            posteriors, model, clean_feats, test, cfg
+        )
+        ev.timings["link_fidelity"] = time.perf_counter() - t0
+    if cfg.baselines.conformal is not None:
+        t0 = time.perf_counter()
+        results["conformal"], protocol["conformal"] = conformal_suite(
+            clean, ev.methods, clean_feats, test, posteriors, model, cfg
+        )
+        ev.timings["conformal"] = time.perf_counter() - t0
 
     if cfg.ood:
         protocol["ood"] = {
             "positive": "in-distribution",
             "score_orientation": "higher = in-distribution",
-            "scores": "max_prob, neg_entropy for all; alpha0, neg_mutual_information for "
-            "bridge; neg_mutual_information for sampling methods",
             "limit": cfg.ood_limit,
+            **ev.baselines.ood_protocol(),
         }
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
-            outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess))
+            outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess), detect=True)
             results["ood"][_ood_key(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
@@ -271,6 +303,7 @@ def run_evaluation(
             data = test.map_inputs(attack, labels=True, workers=False).subset(slice(None), fgsm_eps=eps)
             results["fgsm"][label] = ev.summaries(data)
 
+    ev.timings |= ev.baselines.timings
     ev.timings["total"] = time.perf_counter() - start
     ev.timings["forward_inputs"] = ev.n_forward
     return {
@@ -292,4 +325,5 @@ def run_evaluation(
         "protocol": protocol,
         "results": results,
         "timings": ev.timings,
+        "warnings": warnings,
     }

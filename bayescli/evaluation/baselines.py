@@ -1,0 +1,408 @@
+"""Post-hoc baselines inside ``evaluate``: temperature scaling, OOD detectors, conformal sets
+and the link-fidelity check, on the same backbone pass as the Bayesian methods.
+
+Which score goes where (``results.ood.<set>.<method>.<score>``):
+
+* every method: ``max_prob`` (MSP) and ``neg_entropy``; Dirichlet methods ``alpha0`` and
+  ``neg_mutual_information``; sampling methods ``neg_mutual_information``;
+* ``map`` and ``temp`` (they have logits, ``f`` and ``f/T``): ``max_logit``, ``energy``;
+* ``map`` (they read the network, not a predictive): ``mahalanobis``, ``rel_mahalanobis``,
+  ``knn``, ``vim``, ``react``, ``odin``.
+
+Detector statistics are fitted on the posterior's fitting data (or ``--fit-data``), the
+temperature on a validation split; never on the OOD sets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from bayescli.data import Data, load_data, validation_spec
+from bayescli.errors import BayescliError
+from bayescli.evaluation import detectors as det
+from bayescli.evaluation.methods import Method, MethodOutput
+from bayescli.evaluation.temperature import TemperatureFit, fit_temperature
+from bayescli.features import Features, extract_features
+from bayescli.metrics import adaptive_ece, classwise_ece, mce
+from bayescli.models import LoadedModel
+from bayescli.options import DEFAULT_CORRECTION, DEFAULT_OOD_SCORES, Link, Predictive
+from bayescli.posterior.base import Posterior
+from bayescli.predictive import conformal as cp
+from bayescli.predictive.fidelity import (
+    FIDELITY_SAMPLES,
+    KL_WARNING,
+    fidelity_inputs,
+    link_fidelity,
+    subset_index,
+)
+from bayescli.predictive.glm import logit_gaussian, predict
+
+if TYPE_CHECKING:
+    from bayescli.evaluation.runner import EvalConfig
+
+# --ood-scores name → report key
+SCORES = {
+    "msp": "max_prob",
+    "entropy": "neg_entropy",
+    "alpha0": "alpha0",
+    "mi": "neg_mutual_information",
+    "maxlogit": "max_logit",
+    "energy": "energy",
+    "mahalanobis": "mahalanobis",
+    "rel-mahalanobis": "rel_mahalanobis",
+    "knn": "knn",
+    "vim": "vim",
+    "react": "react",
+    "odin": "odin",
+}
+LOGIT_SCORES = ("max_logit", "energy")
+FITTED = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react")
+CALIBRATION_FRACTION = 0.5
+
+
+def parse_ood_scores(text: str) -> list[str]:
+    """``msp,energy,knn`` → report keys; unknown names are a usage error."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in SCORES]
+    if bad or not names:
+        raise BayescliError(f"unknown OOD score '{bad[0] if bad else text}'; choose from {', '.join(SCORES)}")
+    return [SCORES[n] for n in names]
+
+
+@dataclass
+class BaselineConfig:
+    """Options of the baselines (recorded in the report's protocol)."""
+
+    ood_scores: list[str] = field(default_factory=lambda: parse_ood_scores(DEFAULT_OOD_SCORES))
+    fit_data: str | None = None
+    val_data: str | None = None
+    fit_cache: Path | None = None
+    conformal: float | None = None
+    fidelity_inputs: int = 256
+    knn_k: int = 10
+    knn_bank: int | None = 10_000
+    ridge: float = 1e-6
+    react_percentile: float = 90.0
+    odin_temperature: float = 1000.0
+    odin_epsilon: float = 0.0014
+
+
+def _fit_spec(posterior: Posterior, bc: BaselineConfig) -> tuple[str, int | None, int]:
+    """Spec, limit and limit seed of the fitting data (``--fit-data`` or the recorded one)."""
+    if bc.fit_data:
+        return bc.fit_data, None, 0
+    info = posterior.meta.get("data") or {}
+    if not info.get("spec"):
+        raise BayescliError("the posterior file records no fitting data; pass --fit-data SPEC")
+    return str(info["spec"]), info.get("limit"), int(info.get("limit_seed", 0))
+
+
+class Baselines:
+    """Fits what the requested baselines need, once, and scores every input set."""
+
+    def __init__(self, posterior: Posterior, model: LoadedModel, cfg: EvalConfig) -> None:
+        self.model, self.cfg, self.bc = model, cfg, cfg.baselines
+        self.timings: dict[str, float] = {}
+        self.temperature: TemperatureFit | None = None
+        self.detectors: dict[str, object] = {}
+        self.fit_info: dict | None = None
+        names = {m.name for m in cfg.methods}
+        wanted = [s for s in FITTED if s in self.bc.ood_scores] if cfg.ood and "map" in names else []
+        if not wanted and "temp" not in names:
+            return
+        if wanted:
+            spec, limit, limit_seed = _fit_spec(posterior, self.bc)
+            fit = self._features(spec, limit, limit_seed, self.bc.fit_cache, "fit_forward")
+            self.fit_info = fit[0].info
+            self._fit_detectors(wanted, *fit)
+        if "temp" in names:
+            val = self.bc.val_data or validation_spec(_fit_spec(posterior, self.bc)[0])
+            data, feats = self._features(val, None, 0, None, "val_forward")
+            if feats.labels is None:
+                raise BayescliError(
+                    f"{data.spec} has no labels; temperature scaling needs labelled --val-data"
+                )
+            start = time.perf_counter()
+            self.temperature = fit_temperature(feats.logits, feats.labels)
+            self.temperature_data = data.info
+            self.timings["temperature_fit"] = time.perf_counter() - start
+
+    def _features(
+        self, spec: str, limit: int | None, seed: int, cache: Path | None, key: str
+    ) -> tuple[Data, Features]:
+        cfg = self.cfg
+        data = load_data(spec, cfg.data_root, cfg.download, limit, seed, preprocess=self.model.preprocess)
+        if data.y is not None and len(data.y) and int(data.y.max()) >= self.model.classifier.num_classes:
+            raise BayescliError(f"{data.spec} has labels beyond the model's classes; use its own data")
+        feats = extract_features(self.model, data, cfg.batch_size, cfg.device, cache)
+        self.model.classifier.cpu()
+        self.timings[key] = feats.seconds
+        return data, feats
+
+    def _fit_detectors(self, wanted: list[str], data: Data, feats: Features) -> None:
+        head = self.model.classifier.head
+        weight = head.weight.detach().to(feats.phi.dtype)
+        bias = head.bias.detach().to(feats.phi.dtype) if head.bias is not None else torch.zeros(len(weight))
+        k = self.model.classifier.num_classes
+        needs_labels = {"mahalanobis", "rel_mahalanobis"} & set(wanted)
+        if needs_labels and feats.labels is None:
+            raise BayescliError(
+                f"{data.spec} has no labels; {', '.join(sorted(needs_labels))} need labelled --fit-data"
+            )
+        makers = {
+            "mahalanobis": lambda: det.Mahalanobis.fit(feats.phi, feats.labels, k, self.bc.ridge),
+            "rel_mahalanobis": lambda: det.RelativeMahalanobis.fit(feats.phi, feats.labels, k, self.bc.ridge),
+            "knn": lambda: det.KNN.fit(feats.phi, self.bc.knn_k, self.bc.knn_bank, self.cfg.seed),
+            "vim": lambda: det.ViM.fit(feats.phi, weight, bias),
+            "react": lambda: det.ReAct.fit(feats.phi, weight, bias, self.bc.react_percentile),
+        }
+        for name in wanted:
+            start = time.perf_counter()
+            self.detectors[name] = makers[name]()
+            self.timings[f"fit.{name}"] = time.perf_counter() - start
+
+    def score(self, outs: dict[str, MethodOutput], feats: Features, data: Data) -> None:
+        """Add the detectors' scores to ``outs`` and keep only the selected scores."""
+        selected = set(self.bc.ood_scores)
+        for name, out in outs.items():
+            if name in ("map", "temp"):
+                t = 1.0 if name == "map" else self.temperature.temperature
+                logits = feats.logits / t
+                if "max_logit" in selected:
+                    out.scores["max_logit"] = det.max_logit(logits)
+                if "energy" in selected:
+                    out.scores["energy"] = det.energy(logits)
+            if name == "map":
+                for key, detector in self.detectors.items():
+                    start = time.perf_counter()
+                    out.scores[key] = detector.score(feats.phi)
+                    self._add(f"score.{key}", time.perf_counter() - start)
+                if "odin" in selected:
+                    start = time.perf_counter()
+                    clf = self.model.classifier.to(self.cfg.device)
+                    out.scores["odin"] = det.odin(
+                        clf,
+                        data.inputs(slice(None)),
+                        self.bc.odin_temperature,
+                        self.bc.odin_epsilon,
+                        self.cfg.batch_size,
+                        self.cfg.device,
+                    )
+                    clf.cpu()
+                    self._add("score.odin", time.perf_counter() - start)
+            out.scores = {k: v for k, v in out.scores.items() if k in selected}
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
+
+    def ood_protocol(self) -> dict:
+        """Which scores, where, with which hyperparameters and fitting data."""
+        params: dict = {"energy": {"temperature": 1.0}} if "energy" in self.bc.ood_scores else {}
+        params |= {name: d.params() for name, d in self.detectors.items()}
+        if "odin" in self.bc.ood_scores:
+            params["odin"] = {
+                "temperature": self.bc.odin_temperature,
+                "epsilon": self.bc.odin_epsilon,
+                "space": "pixel (ε/std per channel in the model's normalised input space)",
+                "clipped": False,
+            }
+        return {
+            "scores": list(self.bc.ood_scores),
+            "applies": "max_prob, neg_entropy: every method; alpha0, neg_mutual_information: Dirichlet "
+            "and sampling methods; max_logit, energy: map and temp (logits f and f/T); "
+            "mahalanobis, rel_mahalanobis, knn, vim, react, odin: map (the network's features)",
+            "detectors": params,
+            "fit_data": self.fit_info,
+        }
+
+    def temperature_protocol(self) -> dict | None:
+        if self.temperature is None:
+            return None
+        return {**self.temperature.info(), "data": self.temperature_data}
+
+
+def calibration_extras(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Classwise ECE, adaptive (equal-mass) ECE and MCE beside the 15-bin ECE."""
+    return {
+        "classwise_ece": classwise_ece(probs, labels),
+        "adaptive_ece": adaptive_ece(probs, labels),
+        "mce": mce(probs, labels),
+    }
+
+
+def conformal_suite(
+    clean: dict[str, MethodOutput],
+    methods: list[Method],
+    feats: Features,
+    test: Data,
+    posteriors: dict[str, Posterior],
+    model: LoadedModel,
+    cfg: EvalConfig,
+) -> tuple[dict, dict]:
+    """Split conformal sets for every method and score on a seeded half of the test set,
+    calibrated on the other half, each beside uncertainty-aware top-k at the same mean set size
+    (on the glm-bridge Dirichlet of the method's posterior; the first posterior for ``map`` and
+    ``temp``). Returns ``(results, protocol)``."""
+    alpha = cfg.baselines.conformal
+    n = len(test)
+    n_cal = int(n * CALIBRATION_FRACTION)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
+    cal, ev = perm[:n_cal].sort().values, perm[n_cal:].sort().values
+    y = test.y
+    curves: dict[str, cp.TopkCurve] = {}
+    for tag, post in posteriors.items():
+        bridge = predict(
+            post, feats, Predictive.GLM, Link.BRIDGE, seed=cfg.seed, classifier=model.classifier, data=test
+        )
+        curves[tag] = cp.TopkCurve(bridge.alpha[ev], y[ev])
+    first = next(iter(posteriors))
+    results: dict = {}
+    for m in methods:
+        out = clean[m.name]
+        results[m.name] = {}
+        for score in cp.ConformalScore:
+            ccfg = cp.ConformalConfig(score, alpha)
+            q_hat = cp.calibrate(out.probs[cal], y[cal], ccfg, cfg.seed)
+            sets = cp.prediction_sets(out.probs[ev], q_hat, ccfg, cfg.seed + 1)
+            row = {"threshold": q_hat, **cp.set_summary(sets, y[ev])}
+            row["topk_same_size"] = curves[m.posterior or first].at_mean_size(row["mean_size"])
+            results[m.name][score.value] = row
+    protocol = {
+        "alpha": alpha,
+        "calibration": f"seeded {CALIBRATION_FRACTION:.0%} of the test set (seed {cfg.seed}); "
+        "sets and coverage on the rest",
+        "calibration_points": n_cal,
+        "test_points": n - n_cal,
+        "threshold": "ceil((n+1)(1-alpha))-th smallest calibration score",
+        "scores": {s.value: cp.ConformalConfig(s, alpha).info() for s in cp.ConformalScore},
+        "topk": "uncertainty-aware top-k on the glm-bridge Dirichlet of the method's posterior (map, "
+        "temp: the first), T chosen for the same mean set size",
+    }
+    return results, protocol
+
+
+def fidelity_suite(
+    posteriors: dict[str, Posterior], model: LoadedModel, feats: Features, test: Data, cfg: EvalConfig
+) -> tuple[dict, dict, list[str]]:
+    """``KL(MC ‖ link)`` on a seeded subset of the test inputs (GLM logit Gaussians), for every
+    link of every posterior (rows ``TAG/link`` when there are several); warnings for the links
+    the requested methods use."""
+    size = min(cfg.baselines.fidelity_inputs, len(test))
+    idx = subset_index(len(test), size, cfg.seed)
+    sub_feats = Features(
+        feats.phi[idx], feats.logits[idx], None if feats.labels is None else feats.labels[idx]
+    )
+    used = {
+        m.link.value
+        if m.link is not Link.BRIDGE or m.correction is DEFAULT_CORRECTION
+        else f"bridge-{m.correction.value}"
+        for m in cfg.methods
+        if m.link is not None
+    }
+    results: dict = {}
+    inputs: dict[str, int] = {}
+    warnings: list[str] = []
+    for tag, post in posteriors.items():
+        lg = logit_gaussian(post, sub_feats, model.classifier, test.subset(idx), cfg.batch_size)
+        keep = fidelity_inputs(len(lg), lg.num_classes, lg.kind, size, FIDELITY_SAMPLES)
+        labels = None if sub_feats.labels is None else sub_feats.labels[:keep]
+        rows, lines = link_fidelity(
+            lg.slice(slice(0, keep)), labels, FIDELITY_SAMPLES, cfg.seed, KL_WARNING, used
+        )
+        prefix = f"{tag}/" if len(posteriors) > 1 else ""
+        results |= {prefix + link: row for link, row in rows.items()}
+        warnings += [f"{tag}: {line}" if prefix else line for line in lines]
+        inputs[tag] = keep
+    protocol = {
+        "inputs": next(iter(inputs.values())) if len(inputs) == 1 else inputs,
+        "samples": FIDELITY_SAMPLES,
+        "seed": cfg.seed,
+        "predictive": "glm",
+        "reference": "Monte Carlo E[softmax(z)], z ~ N(mu, Sigma)",
+        "divergence": "KL(MC || link), nats, mean over inputs",
+        "warning_above": KL_WARNING,
+    }
+    return results, protocol, warnings
+
+
+def standalone_conformal(
+    posterior: Posterior,
+    model: LoadedModel,
+    method_name: str,
+    test: Data,
+    test_feats: Features,
+    calibration: Data,
+    cal_feats: Features,
+    ccfg: cp.ConformalConfig,
+    val_spec: str,
+    cfg: EvalConfig,
+) -> tuple[dict, torch.Tensor]:
+    """``bayescli conformal``: calibrate ``method_name`` on ``calibration``, sets on ``test``.
+
+    ``temp`` fits ``T`` on ``val_spec``; when that is the calibration data itself, a seeded half
+    fits ``T`` and the other half calibrates (the threshold needs points ``T`` never saw).
+    Returns the summary and the sets ``[N, K]``.
+    """
+    from bayescli.evaluation.methods import parse_methods, run_method
+
+    methods = parse_methods(method_name)
+    if len(methods) != 1:
+        raise BayescliError(f"--method takes one method, got {method_name}")
+    method = methods[0]
+    if method.predictive is Predictive.GGP:
+        raise BayescliError("ggp methods need their fitting points; use evaluate --conformal for them")
+    if cal_feats.labels is None:
+        raise BayescliError(f"{calibration.spec} has no labels; calibration needs labelled data")
+    info: dict = {"method": method.name, **ccfg.info(), "calibration_data": calibration.info}
+    temperature = None
+    if method.name == "temp":
+        if val_spec == calibration.spec:
+            perm = torch.randperm(len(calibration), generator=torch.Generator().manual_seed(cfg.seed))
+            fit_idx, cal_idx = perm[: len(perm) // 2].sort().values, perm[len(perm) // 2 :].sort().values
+            fit = fit_temperature(cal_feats.logits[fit_idx], cal_feats.labels[fit_idx])
+            calibration = calibration.subset(cal_idx, conformal_half="calibration")
+            cal_feats = Features(cal_feats.phi[cal_idx], cal_feats.logits[cal_idx], cal_feats.labels[cal_idx])
+            info["temperature"] = {**fit.info(), "data": f"seeded half of {val_spec} (seed {cfg.seed})"}
+        else:
+            data = load_data(val_spec, cfg.data_root, cfg.download, None, 0, preprocess=model.preprocess)
+            feats = extract_features(model, data, cfg.batch_size, cfg.device)
+            model.classifier.cpu()
+            if feats.labels is None:
+                raise BayescliError(
+                    f"{val_spec} has no labels; temperature scaling needs labelled --val-data"
+                )
+            fit = fit_temperature(feats.logits, feats.labels)
+            info["temperature"] = {**fit.info(), "data": data.info}
+        temperature = fit.temperature
+
+    def probs(feats: Features, data: Data) -> torch.Tensor:
+        out = run_method(
+            method, posterior, feats, model.classifier, data, cfg.samples, cfg.seed, temperature=temperature
+        )
+        return out.probs
+
+    q_hat = cp.calibrate(probs(cal_feats, calibration), cal_feats.labels, ccfg, cfg.seed)
+    sets = cp.prediction_sets(probs(test_feats, test), q_hat, ccfg, cfg.seed + 1)
+    summary = {
+        "threshold": q_hat,
+        "calibration_points": len(calibration),
+        **cp.set_summary(sets, test_feats.labels),
+    }
+    bridge = predict(
+        posterior,
+        test_feats,
+        Predictive.GLM,
+        Link.BRIDGE,
+        seed=cfg.seed,
+        classifier=model.classifier,
+        data=test,
+    )
+    summary["topk_same_size"] = cp.TopkCurve(bridge.alpha, test_feats.labels).at_mean_size(
+        summary["mean_size"]
+    )
+    return {**info, "summary": summary}, sets

@@ -1,0 +1,79 @@
+"""Link fidelity: KL(MC ‖ link) against the exact predictive of two-class Gaussians (1-D
+Gauss–Hermite quadrature of E[σ(z₁ − z₂)]), and its warnings."""
+
+import numpy as np
+import torch
+from scipy.special import expit, softmax
+from tolerance import assert_below, assert_close
+
+from bayescli.posterior.gaussian import LogitGaussian
+from bayescli.predictive import dirichlet
+from bayescli.predictive.fidelity import fidelity_inputs, link_fidelity
+from bayescli.predictive.links import bridge, probit
+
+
+def _exact_two_class(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """E[σ(d)] and sd[σ(d)] for d = z₁ − z₂ ~ N(μ₁ − μ₂, v₁ + v₂) (200-node Gauss–Hermite:
+    exact to ~1e-15 for these smooth integrands)."""
+    x, w = np.polynomial.hermite_e.hermegauss(200)
+    w = w / w.sum()
+    d = (mu[:, 0] - mu[:, 1])[:, None] + np.sqrt(var.sum(1))[:, None] * x[None, :]
+    s = expit(d)
+    mean = (s * w).sum(1)
+    return mean, np.sqrt((s**2 * w).sum(1) - mean**2)
+
+
+def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return (p * np.log(p / q)).sum(1)
+
+
+def test_kl_to_links_against_exact_two_class_predictive():
+    rng = np.random.default_rng(0)
+    mu, var = rng.normal(0, 2, (6, 2)), rng.uniform(0.5, 9, (6, 2))
+    lg = LogitGaussian(torch.from_numpy(mu), torch.from_numpy(var))
+    samples = 10_000
+    res, _ = link_fidelity(lg, None, samples, seed=0)
+    p1, sd = _exact_two_class(mu, var)
+    exact = np.c_[p1, 1 - p1]
+    links = {
+        "probit": probit(lg).numpy(),
+        "bridge": dirichlet.mean(bridge(lg)).numpy(),
+        "map": softmax(mu, axis=1),
+    }
+    for name, q in links.items():
+        # KL(p̂ ‖ q) − KL(p ‖ q) ≈ Δp₁·(log(p₁/q₁) − log(p₂/q₂)) + Δp₁²/(2 p₁ p₂) with
+        # |Δp₁| ≤ 6 SE, SE = sd/√M (the MC mean's standard error): a per-input bound, averaged
+        se = sd / np.sqrt(samples)
+        slope = np.abs(np.log(exact[:, 0] / q[:, 0]) - np.log(exact[:, 1] / q[:, 1]))
+        bound = (6 * se * slope + (6 * se) ** 2 / (2 * exact[:, 0] * exact[:, 1])).mean()
+        assert_close(res[name]["kl_mean"], _kl(exact, q).mean(), atol=bound, what=f"KL(MC ‖ {name})")
+
+
+def test_point_mass_links_agree_and_bridge_does_not():
+    """With Σ → 0 the MC predictive, probit and SODPP all become softmax(μ); the bridge mean
+    does not (α_k ∝ 1 − 2/K + e^{μ_k} Σ_l e^{−μ_l} / K², not e^{μ_k}) — the effect the link
+    fidelity section exists to show."""
+    rng = np.random.default_rng(1)
+    mu = torch.from_numpy(rng.normal(0, 3, (20, 5)))
+    lg = LogitGaussian(mu, torch.full_like(mu, 1e-10))
+    res, warnings = link_fidelity(lg, None, 2000, seed=0, threshold=0.01)
+    # first-order effect of Σ = 1e-10 I on the predictive: KL ~ 1e-20, MC noise ~ 1e-10·K/M
+    for name in ("map", "probit", "sodpp"):
+        assert_below(res[name]["kl_mean"], 1e-8, what=f"KL(MC ‖ {name}) at a point mass")
+    # zero-sum correction of σ²I: μ ← μ − mean(μ), diag Σ ← σ²(1 − 1/K); then eq. 7's mean
+    m = mu.numpy() - mu.numpy().mean(1, keepdims=True)
+    k = m.shape[1]
+    raw = 1 - 2 / k + np.exp(m) * np.exp(-m).sum(1, keepdims=True) / k**2
+    expected = _kl(softmax(mu.numpy(), axis=1), raw / raw.sum(1, keepdims=True)).mean()
+    # MC of a 1e-10-variance Gaussian is softmax(μ) to ~1e-5 relative in p, ~1e-5 in this KL
+    assert_close(res["bridge"]["kl_mean"], expected, rtol=1e-3, what="KL(MC ‖ bridge) at a point mass")
+    assert expected > 0.01 and any(w.startswith("the bridge link") for w in warnings)
+    _, only = link_fidelity(lg, None, 2000, seed=0, threshold=0.01, warn_for={"probit"})
+    assert only == []  # warnings only for the links asked about
+
+
+def test_fidelity_inputs_budget():
+    assert fidelity_inputs(10_000, 10, "eig", 256, 10_000) == 256
+    assert fidelity_inputs(100, 10, "diag", 256, 10_000) == 100
+    assert fidelity_inputs(10_000, 1000, "eig", 256, 10_000) == 8  # 2e10 / (1e4 · 1e6) → the minimum
+    assert fidelity_inputs(10_000, 1000, "diag", 256, 10_000) == 256
