@@ -202,14 +202,19 @@ def fit_precision(
     active = torch.arange(n, device=a_bar.device)
     iterations = 0
     while active.numel() and iterations < max_iter:
-        za, ab = z[active], a_bar[active]
+        every = active.numel() == n  # no gather/scatter while every row still moves
+        za, ab, cr = (z, a_bar, cross) if every else (z[active], a_bar[active], cross[active])
         zab = za[:, None] * ab
-        d1 = torch.digamma(za) - (ab * torch.digamma(zab)).sum(-1) + cross[active]
+        d1 = torch.digamma(za) - (ab * torch.digamma(zab)).sum(-1) + cr
         d2 = torch.polygamma(1, za) - (ab.square() * torch.polygamma(1, zab)).sum(-1)
         inv = 1 / za + d1 / (za.square() * d2)
         z_new = torch.where(inv > 0, 1 / inv.clamp_min(1e-300), torch.full_like(za, hi)).clamp(lo, hi)
-        z[active] = z_new
-        active = active[(z_new - za).abs() > tol * za]
+        moving = (z_new - za).abs() > tol * za
+        if every:
+            z = z_new
+        else:
+            z[active] = z_new
+        active = active[moving]
         iterations += 1
     return z, iterations
 
