@@ -176,6 +176,12 @@ def test_bridge_round_trip_and_links(k):
     lg = post.logit_gaussian(phi)
     alpha = post.alpha_features(phi)
     assert torch.equal(lg.alpha, alpha) and not lg.exact
+    # the predictive is Minka's Dirichlet of the members' smoothed softmax, z in [K, N]
+    members = torch.stack([F.linear(phi, w, b) for w, b in zip(*post.params.values(), strict=True)])
+    ref = dirichlet_from_samples(
+        members.softmax(-1), 50, min_precision=k, max_precision=5000, smoothing=GAMMA
+    )
+    assert_close(alpha, ref, rtol=F64, what=f"predictive alpha vs dirichlet_from_samples, K={k}")
     assert float(alpha.sum(-1).min()) >= k - 1e-9  # z ≥ K
     # the forward map then eq. 7: float64 logs/exps of α spanning ~1e-3..1e3, rounding ≲ 1e-14
     # relative (observed 4e-16); 1e-12 is the brief's bound

@@ -810,7 +810,7 @@ def fit_dirichlet_fvi(
         extra = []
     taus = _taus(cfg, k, val)
     val_phi = val_y = None
-    if cfg.select:
+    if val is not None and val.y is not None:  # val NLL is recorded; select=True also ranks by it
         vf = extract_features(model, val, batch_size, device)
         val_phi, val_y = vf.phi.to(device), vf.labels
     n = len(labels)
@@ -967,7 +967,7 @@ def train_dirichlet_fvi(
             cfg.smoothing,
         )
         post.meta["history"] = history
-        if cfg.select:
+        if val is not None and val.y is not None:  # val NLL is recorded; select=True also ranks by it
             nll = dirichlet_nll(post.alpha_inputs(clfs[0], val.inputs(slice(None))), val.y)
             curve.append({"tau": tau, "val_nll": nll})
             post.meta["val_nll"] = nll
