@@ -1,190 +1,47 @@
-"""The Laplace bridge and Dirichlet utilities (seed ``laplace-bridge-fast-predictive-uncertainty``).
+"""The Laplace bridge and Dirichlet utilities, as the predictive layer's importers know them.
 
-Shapes: ``mean [N, K]``, ``var [N, K]`` or ``cov [N, K, K]``, ``alpha [N, K]``; all maths in
-float64. ``α₀ = Σ_k α_k`` is the Dirichlet precision.
+The maths lives on floor 1 in :mod:`bayescli.dirichlet` (posteriors need it too); this module
+re-exports it so that ``from bayescli.predictive import dirichlet`` keeps working.
 """
 
-from __future__ import annotations
+from bayescli.dirichlet import (
+    aggregate,
+    beta_marginals,
+    bridge_alpha,
+    correct,
+    dirichlet_entropy,
+    dirichlet_from_samples,
+    dirichlet_to_gaussian,
+    dirichlet_to_gaussian_diag,
+    entropy_of_mean,
+    expected_entropy,
+    fit_precision,
+    laplace_bridge,
+    log_density,
+    mean,
+    mutual_information,
+    precision,
+    smoothed,
+    variance,
+)
 
-import math
-
-import torch
-
-from bayescli.errors import BayescliError
-from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection
-
-
-def _as_var(cov_or_var: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(diag Σ [N,K], Σ1 [N,K])`` from a covariance ``[N,K,K]`` or variances ``[N,K]``."""
-    c = cov_or_var.double()
-    if c.dim() == 3 and c.shape[-2:] == (k, k):
-        return c.diagonal(dim1=1, dim2=2), c.sum(-1)
-    if c.dim() == 2 and c.shape[-1] == k:
-        return c, c
-    raise BayescliError(f"expected covariances [N,{k},{k}] or variances [N,{k}], got {list(c.shape)}")
-
-
-def correct(
-    mean: torch.Tensor, var: torch.Tensor, rowsum: torch.Tensor, correction: BridgeCorrection | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply ``correction`` given ``μ``, ``diag Σ`` and ``Σ1`` (all ``[N,K]``); returns ``(μ, diag Σ)``."""
-    correction = BridgeCorrection(correction)
-    mu, var = mean.double(), var.double()
-    if correction is BridgeCorrection.NONE:
-        return mu, var
-    rowsum = rowsum.double()
-    total = rowsum.sum(-1, keepdim=True)  # 1ᵀΣ1
-    # A Σ with 1ᵀΣ1 ≈ 0 (e.g. eq. 6's) already lives on the zero-sum subspace: nothing to do.
-    degenerate = total <= 1e-12 * var.sum(-1, keepdim=True)
-    if bool(degenerate.any()):
-        total = total.masked_fill(degenerate, math.inf)
-    mu = torch.addcmul(mu, rowsum, mu.sum(-1, keepdim=True) / total, value=-1)
-    var = torch.addcmul(var, rowsum, rowsum / total, value=-1)
-    if correction is BridgeCorrection.NORM:
-        c = var.mean(-1, keepdim=True) / math.sqrt(mu.shape[-1] / 2)
-        mu, var = mu / c.sqrt(), var / c
-    return mu, var
-
-
-def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """Eq. 7, ``α_k = (1/Σ_kk)(1 − 2/K + e^{μ_k}/K² Σ_l e^{−μ_l})``, evaluated in log space.
-
-    ``e^{μ_k} Σ_l e^{−μ_l} = exp(μ_k + logsumexp(−μ))``, so ``|μ|`` in the hundreds neither
-    overflows nor underflows; ``α`` itself overflows only beyond float64's range.
-    """
-    k = mu.shape[-1]
-    if k < 2:
-        raise BayescliError("the Laplace bridge needs at least 2 classes")
-    t = mu + (torch.logsumexp(-mu, dim=-1, keepdim=True) - 2 * math.log(k))
-    const = 1 - 2 / k
-    var = var.clamp_min(1e-300)
-    if float(t.max()) < 700:  # e^t is finite: the direct form is exact and cheapest
-        return t.exp_().add_(const).div_(var)
-    log_bracket = t if const == 0 else torch.logaddexp(t, torch.full_like(t, math.log(const)))
-    return torch.exp(log_bracket - var.log())
-
-
-def laplace_bridge(
-    mean: torch.Tensor, cov_or_var: torch.Tensor, correction: BridgeCorrection | str = DEFAULT_CORRECTION
-) -> torch.Tensor:
-    """Dirichlet ``α [N, K]`` approximating softmax(z), ``z ~ N(mean, Σ)`` (eq. 7 + ``correction``).
-
-    ``cov_or_var`` is ``Σ [N, K, K]`` or its diagonal ``[N, K]`` (then ``Σ1 = diag Σ``).
-    """
-    mean = mean.double()
-    var, rowsum = _as_var(cov_or_var, mean.shape[-1])
-    mu, var = correct(mean, var, rowsum, correction)
-    return bridge_alpha(mu, var)
-
-
-def dirichlet_to_gaussian(alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward map, eqs. 5–6: ``α [N,K]`` → ``(μ [N,K], Σ [N,K,K])`` in the softmax basis."""
-    a = alpha.double()
-    k = a.shape[-1]
-    mu = a.log() - a.log().mean(-1, keepdim=True)
-    inv = 1.0 / a
-    cov = torch.diag_embed(inv) - (inv[:, :, None] + inv[:, None, :] - inv.sum(-1)[:, None, None] / k) / k
-    return mu, cov
-
-
-# -- Dirichlet utilities ----------------------------------------------------------------------
-
-
-def precision(alpha: torch.Tensor) -> torch.Tensor:
-    """``α₀ [N]``."""
-    return alpha.sum(-1)
-
-
-def mean(alpha: torch.Tensor) -> torch.Tensor:
-    """``E[π] = α/α₀`` ``[N, K]`` (eq. 11)."""
-    return alpha / alpha.sum(-1, keepdim=True)
-
-
-def variance(alpha: torch.Tensor) -> torch.Tensor:
-    """``Var[π_k] = α_k(α₀ − α_k) / (α₀²(α₀ + 1))`` ``[N, K]``."""
-    a0 = alpha.sum(-1, keepdim=True)
-    return alpha * (a0 - alpha) / (a0.pow(2) * (a0 + 1))
-
-
-def beta_marginals(alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``π_k ~ Beta(α_k, α₀ − α_k)``: returns the two ``[N, K]`` parameter arrays."""
-    return alpha, alpha.sum(-1, keepdim=True) - alpha
-
-
-def aggregate(alpha: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-    """Dirichlet of grouped probabilities (eq. 12): ``Σ_{k∈g} π_k ~`` component ``Σ_{k∈g} α_k``.
-
-    ``groups`` must partition the classes; returns ``[N, len(groups)]``.
-    """
-    flat = sorted(i for g in groups for i in g)
-    if flat != list(range(alpha.shape[-1])):
-        raise BayescliError("groups must partition the classes 0..K-1 exactly once")
-    return torch.stack([alpha[:, g].sum(-1) for g in groups], dim=-1)
-
-
-def entropy_of_mean(alpha: torch.Tensor) -> torch.Tensor:
-    """``H[E[π]]`` ``[N]`` (total predictive uncertainty, nats)."""
-    p = mean(alpha).double()
-    return -(p * p.clamp_min(1e-300).log()).sum(-1)
-
-
-def expected_entropy(alpha: torch.Tensor) -> torch.Tensor:
-    """``E_{π~Dir(α)}[H[π]] = ψ(α₀+1) − Σ_k (α_k/α₀) ψ(α_k+1)`` ``[N]`` (aleatoric part)."""
-    a = alpha.double()
-    a0 = a.sum(-1)
-    return torch.digamma(a0 + 1) - (a / a0[:, None] * torch.digamma(a + 1)).sum(-1)
-
-
-def mutual_information(alpha: torch.Tensor) -> torch.Tensor:
-    """``H[E[π]] − E[H[π]]`` ``[N]`` (epistemic part, ≥ 0)."""
-    return (entropy_of_mean(alpha) - expected_entropy(alpha)).clamp_min(0)
-
-
-def dirichlet_entropy(alpha: torch.Tensor) -> torch.Tensor:
-    """Differential entropy of ``Dir(α)`` ``[N]``."""
-    a = alpha.double()
-    a0 = a.sum(-1)
-    k = a.shape[-1]
-    log_b = torch.lgamma(a).sum(-1) - torch.lgamma(a0)
-    return log_b + (a0 - k) * torch.digamma(a0) - ((a - 1) * torch.digamma(a)).sum(-1)
-
-
-def log_density(alpha: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """``log Dir(π | α)`` for ``probs [N, K]`` (or ``[M, N, K]``) on the simplex."""
-    a = alpha.double()
-    log_norm = torch.lgamma(a.sum(-1)) - torch.lgamma(a).sum(-1)
-    return log_norm + ((a - 1) * probs.double().clamp_min(1e-300).log()).sum(-1)
-
-
-def dirichlet_from_samples(
-    probs: torch.Tensor, max_iter: int = 100, tol: float = 1e-5, max_precision: float | None = None
-) -> torch.Tensor:
-    """Fit ``α [N, K]`` to simplex samples ``probs [M, N, K]`` (MC or ensemble members).
-
-    Seed ``function-space-vi-dirichlet-prior`` App. eqs. 29–32: the mean ``ᾱ`` is matched to
-    the sample mean; the precision ``z`` comes from Minka's quasi-Newton iteration
-    ``1/z ← 1/z + Δ₁/(z² Δ₂)`` with ``Δ₁ = M(ψ(z) − Σ ᾱ_k ψ(zᾱ_k) + Σ ᾱ_k ᾰ_k)``,
-    ``Δ₂ = M(ψ₁(z) − Σ ᾱ_k² ψ₁(zᾱ_k))``, ``ᾰ_k = mean log π_k``, started from Stirling's
-    ``z⁰ = (K−1) / (−2 Σ ᾱ_k (ᾰ_k − log ᾱ_k))`` (eq. 32 prints ``log ᾰ_k``; ``ᾰ_k`` is
-    already a mean log). ``z`` is clamped to ``[K, max_precision]`` (default ``max(M, K)``,
-    DESIGN §3): below ``K`` the fit would be flatter than the uniform Dirichlet, and the
-    iteration is stopped from running away when the samples barely vary.
-    """
-    p = probs.double().clamp_min(1e-300)
-    m, _, k = p.shape
-    upper = float(max_precision if max_precision is not None else max(m, k))
-    a_bar = p.mean(0)
-    a_bar = a_bar / a_bar.sum(-1, keepdim=True)
-    a_log = p.log().mean(0)
-    denom = -2 * (a_bar * (a_log - a_bar.log())).sum(-1)
-    z = ((k - 1) / denom.clamp_min(1e-300)).clamp(k, upper)
-    for _ in range(max_iter):
-        d1 = torch.digamma(z) - (a_bar * torch.digamma(z[:, None] * a_bar)).sum(-1) + (a_bar * a_log).sum(-1)
-        d2 = torch.polygamma(1, z) - (a_bar.pow(2) * torch.polygamma(1, z[:, None] * a_bar)).sum(-1)
-        inv = 1 / z + d1 / (z.pow(2) * d2)
-        z_new = torch.where(inv > 0, 1 / inv.clamp_min(1e-300), torch.full_like(z, upper)).clamp(k, upper)
-        done = bool(((z_new - z).abs() <= tol * z).all())
-        z = z_new
-        if done:
-            break
-    return z[:, None] * a_bar
+__all__ = [
+    "aggregate",
+    "beta_marginals",
+    "bridge_alpha",
+    "correct",
+    "dirichlet_entropy",
+    "dirichlet_from_samples",
+    "dirichlet_to_gaussian",
+    "dirichlet_to_gaussian_diag",
+    "entropy_of_mean",
+    "expected_entropy",
+    "fit_precision",
+    "laplace_bridge",
+    "log_density",
+    "mean",
+    "mutual_information",
+    "precision",
+    "smoothed",
+    "variance",
+]
