@@ -57,13 +57,17 @@ def jacobian_var(op, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_relu_moments_match_quadrature():
-    """Eq. 11 in its cancellation-free form vs numerical integration (incl. far tails)."""
+@pytest.mark.parametrize("grad", [False, True])
+def test_relu_moments_match_quadrature(grad):
+    """Eq. 11 in its cancellation-free form vs numerical integration (incl. far tails), in the
+    autograd and the in-place (no-grad) code paths."""
     sds = (0.1, 1.0, 3.0)
     rs = (-12.0, -6.0, -2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.5, 6.0, 12.0)
     mean = torch.tensor([r * s for s in sds for r in rs], dtype=torch.float64)
     var = torch.tensor([s * s for s in sds for _ in rs], dtype=torch.float64)
-    out = relu_moments(mean, var)
+    with torch.set_grad_enabled(grad):
+        out = relu_moments(mean.clone().requires_grad_(grad), var)
+    assert torch.equal(var, torch.tensor([s * s for s in sds for _ in rs], dtype=torch.float64))  # intact
     for m, v, e, w in zip(mean.tolist(), var.tolist(), out.mean.tolist(), out.var.tolist(), strict=True):
         sd = math.sqrt(v)
 

@@ -162,11 +162,16 @@ def kl_divergence(
     """``KL(q ‖ N(0, σ²))`` of one layer [002:(17)] (scalar, summed in float64).
 
     ``weight [out, in/groups, *kernel]`` are the means ``m``, ``a [in]`` the noise variances.
+    Written as ``½[P(ln σ² − 1) − Σ ln(a m² + ε) + Σ_j (1+a_j) c_j / σ²]`` with the column sums
+    ``c_j = Σ_i m_ij²``: three passes over the weights instead of a dozen (it runs every step).
     """
     m2 = weight.square()
-    ae = expand_noise(a, weight, groups)
-    terms = math.log(prior_var) - torch.log(ae * m2 + eps) + (1 + ae) * m2 / prior_var - 1
-    return 0.5 * terms.sum(dtype=torch.float64)
+    log_term = torch.log(torch.addcmul(m2.new_full((), eps), expand_noise(a, weight, groups), m2))
+    out, per_group = weight.shape[:2]
+    col = m2.reshape(groups, out // groups, per_group, -1).sum((1, 3)).reshape(-1)  # c_j [in]
+    quad = torch.dot(1 + a, col) / prior_var
+    const = weight.numel() * (math.log(prior_var) - 1)
+    return 0.5 * (const - log_term.sum(dtype=torch.float64) + quad.double())
 
 
 def expected_nll(
@@ -174,7 +179,7 @@ def expected_nll(
 ) -> torch.Tensor:
     """``mean_b (1/S) Σ_s −ln softmax(μ_b + √v_b ⊙ ε_s)_{y_b}`` for logits ``[B, K]`` [002:(16)]."""
     eps = torch.randn((samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device)
-    h = mean + var.clamp_min(_VAR_FLOOR).sqrt() * eps
+    h = torch.addcmul(mean, var.clamp_min(_VAR_FLOOR).sqrt(), eps)
     return F.cross_entropy(h.reshape(-1, mean.shape[-1]), labels.repeat(samples))
 
 
