@@ -10,7 +10,8 @@
   with test[5000:6000] as validation, then evaluated on test[6000:]) vs MAP: NLL, ECE,
   notMNIST AUROC (max-probability score).
 
-Run: ``python benchmarks/mnvi_real.py [--shared ../shared] [--epochs 20]`` (~4 min, one core).
+Run: ``PYTHONPATH=. python benchmarks/mnvi_real.py [--shared ../shared] [--epochs 20]`` (~1.5 min,
+one core).
 """
 
 from __future__ import annotations
