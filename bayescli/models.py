@@ -74,6 +74,32 @@ def small_cnn(num_classes: int, input_shape: tuple[int, ...], width: int = 32) -
     )
 
 
+@register_builtin("lenet")
+def lenet(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """LeNet-5 with ReLU and max-pooling (the MNIST network family of the MNVI paper):
+    conv 5×5 (6, padding 2) → pool → conv 5×5 (16) → pool → 120 → 84 → K. Needs H, W ≥ 12."""
+    require(
+        len(input_shape) == 3 and min(input_shape[1:]) >= 12,
+        f"builtin:lenet needs image inputs [C,H,W] with H, W >= 12, got {list(input_shape)}",
+    )
+    c, h, w = input_shape
+    flat = 16 * ((h // 2 - 4) // 2) * ((w // 2 - 4) // 2)
+    return nn.Sequential(
+        nn.Conv2d(c, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(flat, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )
+
+
 @register_builtin("mlp")
 def mlp(num_classes: int, input_shape: tuple[int, ...], hidden: int = 128, depth: int = 2) -> nn.Module:
     """A ReLU multilayer perceptron on flattened inputs."""
