@@ -57,10 +57,12 @@ def main() -> None:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     curve = post.meta["training_curve"]
     per_epoch = [b["seconds"] - a["seconds"] for a, b in zip([{"seconds": 0.0}, *curve], curve, strict=False)]
-    steps = -(-N_TRAIN // cfg.batch_size)
+    used = post.hyperparameters  # the defaults resolved for the last layer
+    steps = -(-N_TRAIN // used["batch_size"])
     print(
-        f"fit {N_TRAIN:,} × {D} → {K}: {cfg.epochs} epochs × {steps} steps (batch {cfg.batch_size}, "
-        f"{cfg.context_points} context points, log-dets of {min(cfg.kl_classes or K, K)} classes/step)"
+        f"fit {N_TRAIN:,} × {D} → {K}: {used['epochs']} epochs × {steps} steps (batch {used['batch_size']}, "
+        f"lr {used['lr']:g}, {used['context_points']} context points, log-dets of "
+        f"{min(used['kl_classes'] or K, K)} classes/step)"
     )
     print(
         f"  seconds per epoch: median {sorted(per_epoch)[len(per_epoch) // 2]:.1f} "
