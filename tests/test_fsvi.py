@@ -417,6 +417,7 @@ def test_select_records_the_grid_and_picks_its_minimum(digits_mlp):
     sel = post.meta["selection"]
     assert [row["prior_scale"] for row in sel["curve"]] == sel["grid"]
     assert post.prior_scale == min(sel["curve"], key=lambda row: row["val_nll"])["prior_scale"]
+    assert post.hyperparameters["prior_scale"] == post.prior_scale
 
 
 def test_bad_settings_raise(digits_mlp):

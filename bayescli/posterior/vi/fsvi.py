@@ -474,18 +474,24 @@ class FSVIPosterior(Posterior):
         phi: torch.Tensor | None,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        """BNN predictive [001:(18)]: logits ``[M, N, K]`` of the network at ``M`` draws from ``q``."""
-        eps = torch.randn((num, *self.mean.shape), generator=generator, dtype=self.mean.dtype)
-        draws = self.mean + self.var.sqrt() * eps
+        """BNN predictive [001:(18)]: logits ``[M, N, K]`` of the network at ``M`` draws from ``q``
+        (weights drawn in chunks of at most ``JACOBIAN_ELEMENTS`` numbers)."""
+        std, chunk = self.var.sqrt(), max(1, JACOBIAN_ELEMENTS // self.mean.numel())
+
+        def draws() -> Iterator[torch.Tensor]:
+            for m in range(0, num, chunk):
+                shape = (min(chunk, num - m), *self.mean.shape)
+                yield self.mean + std * torch.randn(shape, generator=generator, dtype=self.mean.dtype)
+
         if self.subset is Subset.LAST_LAYER:
-            phi_aug = augment(phi) if self.head_bias else phi
-            return torch.einsum("nd,mkd->mnk", phi_aug.to(draws.dtype), draws)
+            phi_aug = (augment(phi) if self.head_bias else phi).to(self.mean.dtype)
+            return torch.cat([torch.einsum("nd,mkd->mnk", phi_aug, w) for w in draws()])
         from torch.func import functional_call
 
         self._check_network(classifier)
         xn = classifier.normalise(x)
         out = []
-        for theta in draws:
+        for theta in (t for block in draws() for t in block):
             params, offset = {}, 0
             for name, shape in self.parameters:
                 size = math.prod(shape)
@@ -682,7 +688,8 @@ def fit_last_layer(
         if best is None or (score is not None and score < best[0]):
             best = (score, c, mean, var, curve)
     _, c, mean, var, curve = best
-    post = FSVIPosterior(mean.cpu(), var.cpu(), Subset.LAST_LAYER, bias, c / norm, c, asdict(cfg))
+    used = asdict(replace(cfg, prior_scale=c))
+    post = FSVIPosterior(mean.cpu(), var.cpu(), Subset.LAST_LAYER, bias, c / norm, c, used)
     post.meta |= {
         "fit_seconds": time.perf_counter() - start,
         "n_data": len(phi),
@@ -941,7 +948,7 @@ def train_fsvi(
         "class_names": train.class_names,
         "normalisation": {"mean": clf.mean.tolist(), "std": clf.std.tolist()},
         "data": train.info,
-        "training": {"method": "fsvi", **asdict(cfg), "prior_scale": c},
+        "training": {"method": "fsvi", **post.hyperparameters},
         "train_loss": [row["objective"] for row in curve],
         "train_accuracy": accuracy(clf, train, torch.device("cpu")),
         "val_accuracy": accuracy(clf, val, torch.device("cpu"))
@@ -956,6 +963,7 @@ def _all_posterior(
 ) -> FSVIPosterior:
     mean = torch.cat([p.detach().reshape(-1) for p in clf.net.parameters()])
     shapes = [[n, list(p.shape)] for n, p in clf.net.named_parameters()]
+    used = asdict(replace(cfg, prior_scale=prior_scale))
     return FSVIPosterior(
-        mean, var, Subset.ALL, clf.head.bias is not None, prior_var, prior_scale, asdict(cfg), shapes
+        mean, var, Subset.ALL, clf.head.bias is not None, prior_var, prior_scale, used, shapes
     )
