@@ -484,7 +484,7 @@ def test_bnn_samples_match_the_glm_moments_when_feature_variances_are_tiny(scrat
     clf, _, post, train = scratch
     x = train.inputs(slice(0, 3))
     lg = post.logit_gaussian_inputs(clf, x)
-    n = 4000
+    n = 2000
     draws = post.sample_logits(n, clf, x, None, torch.Generator().manual_seed(0)).double()
     # Feature variances ~e^-20: the logits are the head's exact Gaussian up to ~1e-4 relative;
     # the sample moments' standard errors dominate (5 SE).
