@@ -117,6 +117,8 @@ def fit_vi_cmd(
     crop: c.Crop = None,
     interpolation: c.InterpolationOpt = None,
     checkpoint_key: c.CheckpointKey = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -155,12 +157,18 @@ def fit_vi_cmd(
         "lr": lr,
         "batch_size": train_batch_size,
     }
-    cfg = vi_config(method, {**options, "subset": subset.value, "select": select, "seed": seed})
+    fixed = {"subset": subset.value, "select": select, "seed": seed}
+    # Extra data specs of a method (FSVI context, Dirichlet-fVI index set) live beside --data.
+    roots = {"context_root": str(data_root), "index_root": str(data_root)}
+    fields = {f.name for f in dataclasses.fields(vi_method(method).config)}
+    fixed |= {k: v for k, v in roots.items() if k in fields}
+    cfg = vi_config(method, {**options, **fixed})
     dev = c.resolve_device(device)
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
     loaded, fit_data = c.load_model_and_data(
-        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed
-    )
+        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
+        num_workers, skip_unreadable,
+    )  # fmt: skip
     val = None
     if select:
         val = c.load(val_data or validation_spec(data), data_root, download, None, seed, loaded.preprocess)

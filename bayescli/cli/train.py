@@ -29,28 +29,33 @@ def typed_settings(config: type, settings: dict[str, str]) -> dict[str, object]:
     """Convert ``--set`` strings to the types of ``config``'s fields (bool, int, float or str)."""
     import dataclasses
 
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    fields = {f.name: f for f in dataclasses.fields(config)}
     out: dict[str, object] = {}
     for key, text in settings.items():
-        if key not in defaults:
+        if key not in fields:
             raise BayescliError(
                 f"--set {key}: {config.__name__} has no such setting; "
-                f"choose from {', '.join(sorted(defaults))}"
+                f"choose from {', '.join(sorted(fields))}"
             )
-        default = defaults[key]
+        # The declared type (a string under postponed annotations) decides, not the default,
+        # which may be None ("use the method's default").
+        declared = str(fields[key].type)
+        kind = next((t for t in ("bool", "int", "float") if t in declared.replace("|", " ").split()), "str")
         try:
-            if isinstance(default, bool):
+            if text.lower() == "none" and "None" in declared:
+                out[key] = None
+            elif kind == "bool":
                 if text.lower() not in ("true", "false", "1", "0"):
                     raise ValueError
                 out[key] = text.lower() in ("true", "1")
-            elif isinstance(default, int):
+            elif kind == "int":
                 out[key] = int(text)
-            elif isinstance(default, float):
+            elif kind == "float":
                 out[key] = float(text)
             else:
-                out[key] = None if text.lower() == "none" else text
+                out[key] = text
         except ValueError:
-            raise BayescliError(f"--set {key}={text}: expected a {type(default).__name__}") from None
+            raise BayescliError(f"--set {key}={text}: expected a {kind}") from None
     return out
 
 
