@@ -1,0 +1,1 @@
+"""Variational posteriors (../shared/VI-SPEC.md): MNVI, FSVI, Dirichlet fVI."""
