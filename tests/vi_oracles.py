@@ -82,6 +82,28 @@ def _double(net: nn.Module) -> nn.Module:
     return copy.deepcopy(net).double()
 
 
+def glm_elbo(
+    jac: torch.Tensor,
+    offset: torch.Tensor,
+    y: torch.Tensor,
+    delta: float,
+    mu: torch.Tensor,
+    chol: torch.Tensor,
+) -> torch.Tensor:
+    """The GLM ELBO of ``q = N(μ, LLᵀ)`` (``chol`` = L, lower triangular with positive diagonal)."""
+    p = jac.shape[2]
+    jl = jac @ chol
+    ell = expected_log_softmax(offset + jac @ mu, jl @ jl.transpose(1, 2), y).sum()
+    kl = 0.5 * (
+        delta * chol.square().sum()
+        + delta * mu @ mu
+        - p
+        - p * math.log(delta)
+        - 2 * torch.log(chol.diagonal()).sum()
+    )
+    return ell - kl
+
+
 def maximise_elbo(
     jac: torch.Tensor, offset: torch.Tensor, y: torch.Tensor, delta: float, pattern: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -100,17 +122,7 @@ def maximise_elbo(
 
     def negative(v_np: np.ndarray) -> tuple[float, np.ndarray]:
         v = torch.tensor(v_np, requires_grad=True)
-        mu, lower = unpack(v)
-        jl = jac @ lower
-        ell = expected_log_softmax(offset + jac @ mu, jl @ jl.transpose(1, 2), y).sum()
-        kl = 0.5 * (
-            delta * lower.square().sum()
-            + delta * mu @ mu
-            - p
-            - p * math.log(delta)
-            - 2 * torch.log(lower.diagonal()).sum()
-        )
-        out = kl - ell
+        out = -glm_elbo(jac, offset, y, delta, *unpack(v))
         out.backward()
         return out.item(), v.grad.numpy()
 
