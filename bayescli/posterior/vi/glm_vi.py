@@ -42,7 +42,7 @@ import functools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -117,7 +117,7 @@ class GLMVIConfig:
     epochs: int = 250
     lr: float | None = None
     batch_size: int = 1024
-    samples: int = 16
+    samples: int = 8
     seed: int = 0
     select: bool = False
 
@@ -166,11 +166,15 @@ def _difference(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _draws(mean: torch.Tensor, cov: torch.Tensor, samples: int, generator: torch.Generator) -> torch.Tensor:
-    """``samples`` logit draws ``[S, B, K]`` (``cov`` a variance ``[B,K]`` or ``[B,K,K]``)."""
-    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=mean.dtype)
+    """``samples`` float32 logit draws ``[S, B, K]`` (``cov`` a variance ``[B,K]`` or ``[B,K,K]``).
+
+    float32: the Monte-Carlo error (~1/√S) dwarfs its round-off, and drawing and exponentiating
+    S·B·K numbers dominates an iteration's time.
+    """
+    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=torch.float32)
     if cov.dim() == 2:
-        return mean + eps * cov.clamp_min(0).sqrt()
-    return mean + torch.einsum("bkl,sbl->sbk", cholesky_jitter(cov), eps)
+        return mean.float() + eps * cov.clamp_min(0).sqrt().float()
+    return mean.float() + torch.einsum("bkl,sbl->sbk", cholesky_jitter(cov).float(), eps)
 
 
 def softmax_expectations(
@@ -203,15 +207,16 @@ def softmax_expectations(
             return ell, onehot - probs, lam[:, None].expand(-1, 2).clone()
         block = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=mean.dtype)
         return ell, onehot - probs, lam[:, None, None] * block
-    f = _draws(mean, cov, samples, generator)
-    logp = f.log_softmax(-1)
+    logp = _draws(mean, cov, samples, generator).log_softmax(-1)
     p = logp.exp()
     ell = logp.gather(2, labels.view(1, -1, 1).expand(samples, -1, 1)).squeeze(2).mean(0)
     p_mean = p.mean(0)
     if diag_only:
-        return ell, onehot - p_mean, (p - p.square()).mean(0)
-    outer = torch.einsum("sbk,sbl->bkl", p, p) / samples
-    return ell, onehot - p_mean, torch.diag_embed(p_mean) - outer
+        lam = (p - p.square()).mean(0)
+    else:
+        lam = torch.diag_embed(p_mean) - torch.einsum("sbk,sbl->bkl", p, p) / samples
+    dtype = mean.dtype
+    return ell.to(dtype), onehot - p_mean.to(dtype), lam.to(dtype)
 
 
 def expected_log_softmax(
@@ -257,6 +262,8 @@ class GLMData:
     bias: bool = True
     jac: torch.Tensor | None = None
     offset: torch.Tensor | None = None
+    _chunk_key: tuple | None = field(default=None, repr=False)
+    _chunk: tuple = field(default=(None, None), repr=False)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -269,22 +276,33 @@ class GLMData:
         for start in range(0, len(self), size):
             yield slice(start, start + size)
 
-    def _phi(self, sl: slice) -> torch.Tensor:
-        phi = self.phi[sl].double()
-        return augment(phi) if self.bias else phi
+    def _phi(self, sl: slice, dtype: torch.dtype = torch.float64, square: bool = False) -> torch.Tensor:
+        """``φ̃`` (or ``φ̃²``) of a chunk; the last chunk's are kept, as each is used three times."""
+        key = (sl.start, sl.stop, dtype)
+        if self._chunk_key != key:
+            phi = self.phi[sl].to(dtype)
+            phi = augment(phi) if self.bias else phi
+            self._chunk_key, self._chunk = key, (phi, None)
+        phi, phi_sq = self._chunk
+        if not square:
+            return phi
+        if phi_sq is None:
+            phi_sq = phi.square()
+            self._chunk = (phi, phi_sq)
+        return phi_sq
 
     def logit_mean(self, mean: torch.Tensor, sl: slice) -> torch.Tensor:
-        """``f_lin(x_n, μ)`` ``[B, K]``."""
+        """``f_lin(x_n, μ)`` ``[B, K]`` (in the mean's dtype)."""
         if self.last_layer:
-            return self._phi(sl) @ mean.T
+            return self._phi(sl, mean.dtype) @ mean.T
         return self.offset[sl] + self.jac[sl].double() @ mean
 
     def logit_cov(self, state: _State, sl: slice) -> torch.Tensor:
         """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag) or ``[B, K, K]``."""
         if self.last_layer:
-            phi = self._phi(sl)
             if state.factor is None:
-                return phi.square() @ state.variance.T
+                return self._phi(sl, state.variance.dtype, square=True) @ state.variance.T
+            phi = self._phi(sl)
             k, d1 = state.mean.shape
             jg = torch.einsum("nd,kdp->nkp", phi, state.factor.reshape(k, d1, -1))
             return jg @ jg.transpose(1, 2)
@@ -297,15 +315,15 @@ class GLMData:
     def gradient(self, resid: torch.Tensor, sl: slice) -> torch.Tensor:
         """``Σ_n J_nᵀ r_n`` (shaped like the mean)."""
         if self.last_layer:
-            return resid.T @ self._phi(sl)
+            return (resid.T @ self._phi(sl, resid.dtype)).double()
         return torch.einsum("nk,nkp->p", resid, self.jac[sl].double())
 
     def curvature(self, lam: torch.Tensor, sl: slice, diag: bool) -> torch.Tensor:
         """``Σ_n J_nᵀ Λ_n J_n``: its diagonal (shaped like the mean) or ``[P, P]``."""
         if self.last_layer:
-            phi = self._phi(sl)
+            phi = self._phi(sl, lam.dtype)
             if diag:  # lam is the diagonal [B, K] here: the logit covariance is diagonal too
-                return lam.T @ phi.square()
+                return (lam.T @ self._phi(sl, lam.dtype, square=True)).double()
             k, d1 = lam.shape[1], phi.shape[1]
             blocks = (lam[:, :, :, None] * phi[:, None, None, :]).reshape(len(phi), -1).T @ phi
             return blocks.reshape(k, k, d1, d1).permute(0, 2, 1, 3).reshape(k * d1, k * d1)
@@ -370,7 +388,7 @@ def natural_gradient_vi(
     delta: float,
     epochs: int,
     lr: float,
-    samples: int = 16,
+    samples: int = 8,
     seed: int = 0,
     batch_size: int = 1024,
 ) -> NGVIResult:
@@ -387,15 +405,20 @@ def natural_gradient_vi(
     state = _State.build(mean.double(), curvature.double(), float(delta))
     gen = torch.Generator().manual_seed(seed)
     diag_logits = diag and data.last_layer  # the logit covariance is diagonal: sample K scalars
+    # Last-layer diag with K > 2 works in float32 per chunk (GEMMs over ≤ batch_size inputs, Monte
+    # Carlo noise ≫ round-off) and sums in float64; K = 2 quadrature and full covariances stay float64.
+    work = torch.float32 if diag_logits and data.num_classes > 2 else torch.float64
     elbo: list[float] = []
     residuals: dict = {}
     for _ in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
         curv = torch.zeros_like(state.curvature)
         ell = 0.0
+        view = state if work == torch.float64 else replace(state, variance=state.variance.to(work))
+        mean_w = state.mean.to(work)
         for sl in data.chunks(batch_size):
-            mean_b = data.logit_mean(state.mean, sl)
-            cov_b = data.logit_cov(state, sl)
+            mean_b = data.logit_mean(mean_w, sl)
+            cov_b = data.logit_cov(view, sl)
             e_ll, resid, lam = softmax_expectations(
                 mean_b, cov_b, data.labels[sl], samples, gen, diag_only=diag_logits
             )
