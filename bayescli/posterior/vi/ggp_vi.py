@@ -204,7 +204,10 @@ def train_svgp(
     """
     n = len(labels)
     c, r = init_mean.shape
-    dtype = proj.a.dtype
+    # float32 like GPyTorch: the O(C·B·r²) products dominate; what cancels (``kres``) was formed in
+    # float64 before.
+    dtype = torch.float32
+    proj = Projected(proj.a.to(dtype), proj.kres.to(dtype), proj.prior_mean.to(dtype))
     mean = init_mean.clone().to(dtype).requires_grad_(True)
     raw = torch.zeros(c, r, r, dtype=dtype, requires_grad=True)
     log_diag = torch.zeros(c, r, dtype=dtype, requires_grad=True)
@@ -229,7 +232,7 @@ def train_svgp(
             total += loss.item() * len(idx)
         history.append(total / n)
     with torch.no_grad():
-        return SVGPResult(mean.detach(), _chol(raw, log_diag).detach(), history)
+        return SVGPResult(mean.detach().double(), _chol(raw, log_diag).detach().double(), history)
 
 
 # ---------------------------------------------------------------------------------------------
