@@ -100,15 +100,25 @@ def lenet(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     )
 
 
+_ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
 @register_builtin("mlp")
-def mlp(num_classes: int, input_shape: tuple[int, ...], hidden: int = 128, depth: int = 2) -> nn.Module:
-    """A ReLU multilayer perceptron on flattened inputs."""
+def mlp(
+    num_classes: int,
+    input_shape: tuple[int, ...],
+    hidden: int = 128,
+    depth: int = 2,
+    activation: str = "relu",
+) -> nn.Module:
+    """A multilayer perceptron on flattened inputs (``activation``: relu or tanh)."""
+    require(activation in _ACTIVATIONS, f"builtin:mlp activation must be relu or tanh, got '{activation}'")
     d_in = 1
     for s in input_shape:
         d_in *= s
     layers: list[nn.Module] = [nn.Flatten()]
     for i in range(depth):
-        layers += [nn.Linear(d_in if i == 0 else hidden, hidden), nn.ReLU()]
+        layers += [nn.Linear(d_in if i == 0 else hidden, hidden), _ACTIVATIONS[activation]()]
     layers.append(nn.Linear(hidden if depth else d_in, num_classes))
     return nn.Sequential(*layers)
 

@@ -66,6 +66,9 @@ class VIMethod(str, Enum):
     MNVI = "mnvi"
     FSVI = "fsvi"
     DIRICHLET_FVI = "dirichlet-fvi"
+    GLM_VI = "glm-vi"
+    GGP_VI = "ggp-vi"
+    BBB = "bbb"
 
 
 class HessianStructure(str, Enum):

@@ -24,6 +24,9 @@ VI_METHODS: dict[VIMethod, tuple[str, str]] = {
     VIMethod.MNVI: ("mnvi", "MNVIConfig"),
     VIMethod.FSVI: ("fsvi", "FSVIConfig"),
     VIMethod.DIRICHLET_FVI: ("dirichlet_fvi", "DirichletFVIConfig"),
+    VIMethod.GLM_VI: ("glm_vi", "GLMVIConfig"),
+    VIMethod.GGP_VI: ("ggp_vi", "GGPVIConfig"),
+    VIMethod.BBB: ("bbb", "BBBConfig"),
 }
 
 
@@ -75,6 +78,11 @@ DropoutOpt = Annotated[float | None, Opt(min=0.0, max=1.0, help="Dirichlet fVI: 
 EpochsOpt = Annotated[int | None, Opt(min=1, help="Training epochs (default: the method's).")]
 LrOpt = Annotated[float | None, Opt(min=0.0, help="Learning rate (default: the method's).")]
 TrainBatchSizeOpt = Annotated[int | None, Opt(min=1, help="Minibatch size of the VI objective.")]
+CovarianceOpt = Annotated[str | None, Opt(help="GLM VI: diag or full posterior covariance.")]
+PriorPrecisionOpt = Annotated[
+    float | None, Opt(min=0.0, help="GLM/GGP VI, BBB: prior precision δ (default: Laplace marglik / 1).")
+]
+InducingPointsOpt = Annotated[int | None, Opt(min=1, help="GGP VI: inducing points M (fitting inputs).")]
 
 
 def fit_vi_cmd(
@@ -109,6 +117,9 @@ def fit_vi_cmd(
     epochs: EpochsOpt = None,
     lr: LrOpt = None,
     train_batch_size: TrainBatchSizeOpt = None,
+    covariance: CovarianceOpt = None,
+    prior_precision: PriorPrecisionOpt = None,
+    inducing_points: InducingPointsOpt = None,
     head: c.Head = None,
     preprocess: c.PreprocessOpt = None,
     mean: c.Mean = None,
@@ -156,6 +167,9 @@ def fit_vi_cmd(
         "epochs": epochs,
         "lr": lr,
         "batch_size": train_batch_size,
+        "covariance": covariance,
+        "prior_precision": prior_precision,
+        "inducing_points": inducing_points,
     }
     fixed = {"subset": subset.value, "select": select, "seed": seed}
     # Extra data specs of a method (FSVI context, Dirichlet-fVI index set) live beside --data.

@@ -41,6 +41,9 @@ METHODS: dict[str, str] = {
     "mnvi": "bayescli.posterior.vi.mnvi:MNVIPosterior",
     "fsvi": "bayescli.posterior.vi.fsvi:FSVIPosterior",
     "dirichlet-fvi": "bayescli.posterior.vi.dirichlet_fvi:DirichletFVIPosterior",
+    "glm-vi": "bayescli.posterior.vi.glm_vi:GLMVIPosterior",
+    "ggp-vi": "bayescli.posterior.vi.ggp_vi:GGPVIPosterior",
+    "bbb": "bayescli.posterior.vi.bbb:BBBPosterior",
 }
 
 # Metadata keys every posterior file carries, written by Posterior.metadata().

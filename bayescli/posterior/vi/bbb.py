@@ -1,0 +1,413 @@
+"""Bayes by Backprop (Blundell et al. 2015): mean-field VI on the network itself — seed 003's BBB row.
+
+``q(θ) = Π_i N(μ_i, σ_i²)`` over every weight of the network, ``σ = softplus(ρ)``, prior
+``N(0, δ⁻¹ I)``; Adam on the minibatch objective ``mean NLL + KL(q ‖ p)/N`` (VI-SPEC §0) with one
+draw per step: the local reparameterisation trick (Kingma et al. 2015) for ``nn.Linear`` (sample
+the pre-activations ``N(a μ_Wᵀ + μ_b, a² σ_W²ᵀ + σ_b²)`` per input) and plain reparameterisation
+for ``nn.Conv2d`` (one weight draw per minibatch). Layers without parameters pass through; other
+parameterised layers (e.g. BatchNorm) are refused.
+
+``train_bbb`` trains from scratch (the seed's BBB); ``fit_bbb`` starts at a checkpoint's weights
+(``μ = θ*``, ``σ = init_std``). Predictive: the BNN's — ``sample_logits`` runs the network at
+draws from ``q``; :meth:`BBBPosterior.logit_gaussian_inputs` is the moment-matched Gaussian of
+``samples`` such logit draws (an approximation: ``exact = False``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bayescli._version import __version__
+from bayescli.data import ArrayData
+from bayescli.errors import BayescliError, require
+from bayescli.metrics import nll
+from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.options import Subset
+from bayescli.posterior.base import Posterior
+from bayescli.posterior.gaussian import LogitGaussian
+from bayescli.posterior.prior import edge_warning
+from bayescli.posterior.vi.glm_vi import SELECT_GRID, _as_float, network_logits
+from bayescli.progress import track
+from bayescli.train import accuracy, channel_stats
+
+
+@dataclass
+class BBBConfig:
+    """Settings of ``--method bbb``.
+
+    * ``subset``: ``all`` (BBB places a posterior on every weight).
+    * ``prior_precision``: δ of the prior ``N(0, δ⁻¹ I)``.
+    * ``epochs``, ``lr``, ``batch_size``: Adam on the minibatch objective.
+    * ``init_std``: σ of every weight at the start (the means start at the checkpoint or a fresh init).
+    * ``samples``: weight draws behind the moment-matched logit Gaussian and the validation NLL.
+    * ``seed``: seeds the initialisation, minibatches and draws.
+    * ``select``: train once per δ of the GLM VI grid and keep the lowest validation NLL.
+    """
+
+    subset: str = "all"
+    prior_precision: float = 1.0
+    epochs: int = 100
+    lr: float = 1e-3
+    batch_size: int = 128
+    init_std: float = 1e-3
+    samples: int = 100
+    seed: int = 0
+    select: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.subset == Subset.ALL.value, "bbb places a posterior on every weight; use --subset all")
+        self.prior_precision = _as_float(self.prior_precision, "--prior-precision")
+        require(
+            self.prior_precision is not None and self.prior_precision > 0,
+            f"--prior-precision must be a positive number, got {self.prior_precision}",
+        )
+        require(self.lr > 0 and self.init_std > 0, "--lr and init_std must be positive")
+        require(min(self.epochs, self.batch_size, self.samples) >= 1, "epochs, batch size and samples ≥ 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bayesian layers
+# ---------------------------------------------------------------------------------------------
+
+
+def _rho(std: float) -> float:
+    """``ρ`` with ``softplus(ρ) = std``."""
+    return math.log(math.expm1(std))
+
+
+class _Bayes(nn.Module):
+    """Mean and ``ρ`` of a layer's weight and bias, initialised from the layer (``σ = init_std``)."""
+
+    def __init__(self, layer: nn.Module, init_std: float) -> None:
+        super().__init__()
+        self.layer = layer  # keeps stride, padding, … ; its own tensors are not trained
+        self.weight_mu = nn.Parameter(layer.weight.detach().clone())
+        self.weight_rho = nn.Parameter(torch.full_like(layer.weight, _rho(init_std)))
+        if layer.bias is not None:
+            self.bias_mu = nn.Parameter(layer.bias.detach().clone())
+            self.bias_rho = nn.Parameter(torch.full_like(layer.bias, _rho(init_std)))
+        else:
+            self.bias_mu = self.bias_rho = None
+
+    def named_moments(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, μ, σ)`` per parameter of the original layer."""
+        out = [("weight", self.weight_mu, F.softplus(self.weight_rho))]
+        if self.bias_mu is not None:
+            out.append(("bias", self.bias_mu, F.softplus(self.bias_rho)))
+        return out
+
+
+class BayesLinear(_Bayes):
+    """``nn.Linear`` under mean-field ``q``; local reparameterisation of the outputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sw = F.softplus(self.weight_rho)
+        sb = None if self.bias_rho is None else F.softplus(self.bias_rho).square()
+        mean = F.linear(x, self.weight_mu, self.bias_mu)
+        var = F.linear(x.square(), sw.square(), sb)
+        return mean + var.clamp_min(1e-30).sqrt() * torch.randn_like(mean)
+
+
+class BayesConv2d(_Bayes):
+    """``nn.Conv2d`` under mean-field ``q``; one reparameterised weight draw per forward pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_mu + F.softplus(self.weight_rho) * torch.randn_like(self.weight_mu)
+        b = None
+        if self.bias_mu is not None:
+            b = self.bias_mu + F.softplus(self.bias_rho) * torch.randn_like(self.bias_mu)
+        return self.layer._conv_forward(x, w, b)
+
+
+def bayesian_copy(net: nn.Module, init_std: float) -> nn.Module:
+    """A copy of ``net`` with every ``Linear``/``Conv2d`` replaced by its Bayesian version."""
+    bnet = copy.deepcopy(net)
+    for name, module in list(bnet.named_modules()):
+        if isinstance(module, nn.Linear | nn.Conv2d):
+            parent_name, _, child = name.rpartition(".")
+            parent = bnet.get_submodule(parent_name) if parent_name else bnet
+            cls = BayesLinear if isinstance(module, nn.Linear) else BayesConv2d
+            setattr(parent, child, cls(module, init_std))
+        elif not isinstance(module, _Bayes) and any(True for _ in module.parameters(recurse=False)):
+            raise BayescliError(
+                f"bbb supports Linear and Conv2d weights; '{name}' is a {type(module).__name__} with "
+                "parameters. Use glm-vi or laplace for this network"
+            )
+    bnet.requires_grad_(False)
+    for module in bnet.modules():
+        if isinstance(module, _Bayes):
+            for p in (module.weight_mu, module.weight_rho, module.bias_mu, module.bias_rho):
+                if p is not None:
+                    p.requires_grad_(True)
+    return bnet
+
+
+def moments(bnet: nn.Module, net: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``μ`` and ``σ`` ``[P]`` in the order of ``net.named_parameters()``."""
+    table = {}
+    for name, module in bnet.named_modules():
+        if isinstance(module, _Bayes):
+            for pname, mu, std in module.named_moments():
+                table[f"{name}.{pname}"] = (mu, std)
+    means, stds = [], []
+    for name, _ in net.named_parameters():
+        mu, std = table[name]
+        means.append(mu.detach().reshape(-1))
+        stds.append(std.detach().reshape(-1))
+    return torch.cat(means), torch.cat(stds)
+
+
+def gaussian_kl(mean: torch.Tensor, std: torch.Tensor, delta: float) -> torch.Tensor:
+    """``KL(N(μ, σ²) ‖ N(0, δ⁻¹))`` summed over entries."""
+    var = std.square()
+    return 0.5 * (delta * (var + mean.square()) - 1.0 - torch.log(delta * var)).sum()
+
+
+def bbb_kl(bnet: nn.Module, delta: float) -> torch.Tensor:
+    """The KL of all Bayesian layers of ``bnet``."""
+    return sum(
+        gaussian_kl(mu, std, delta)
+        for m in bnet.modules()
+        if isinstance(m, _Bayes)
+        for _, mu, std in m.named_moments()
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the posterior
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BBBPosterior(Posterior):
+    """Mean-field ``q(θ)`` over all weights: ``mean [P]`` and ``std [P]`` (``named_parameters`` order)."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    prior_precision: float
+    n_data: int
+    samples: int
+    seed: int
+    subset: Subset = Subset.ALL
+    meta: dict = field(default_factory=dict)
+
+    method: ClassVar[str] = "bbb"
+
+    def summary(self) -> dict:
+        return {
+            "prior_precision": self.prior_precision,
+            "prior_method": self.meta.get("prior", {}).get("method"),
+            "mean_std": float(self.std.mean()),
+            "samples": self.samples,
+            "n_data": self.n_data,
+        }
+
+    def draws(self, num: int, generator: torch.Generator) -> torch.Tensor:
+        """``num`` weight vectors ``[M, P]`` from ``q``."""
+        eps = torch.randn(num, self.mean.numel(), generator=generator, dtype=self.mean.dtype)
+        return self.mean + eps * self.std
+
+    def sample_logits(
+        self,
+        num: int,
+        classifier: Classifier,
+        x: torch.Tensor | None,
+        phi: torch.Tensor | None,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """BNN predictive: the network's logits ``[M, N, K]`` at ``M`` draws from ``q``."""
+        return network_logits(classifier, x, self.draws(num, generator))
+
+    def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
+        """Moment-matched Gaussian of ``samples`` BNN logit draws (the same draws for every batch)."""
+        logits = self.sample_logits(
+            self.samples, classifier, x, None, torch.Generator().manual_seed(self.seed)
+        )
+        centred = logits - logits.mean(0)
+        cov = torch.einsum("mnk,mnl->nkl", centred, centred) / max(1, self.samples - 1)
+        return LogitGaussian(logits.mean(0), cov.diagonal(dim1=1, dim2=2).clone(), cov, exact=False)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"mean": self.mean, "std": self.std}
+
+    def own_metadata(self) -> dict:
+        return {
+            "prior_precision": self.prior_precision,
+            "n_data": self.n_data,
+            "samples": self.samples,
+            "seed": self.seed,
+            "predictive": "bnn (logit Gaussian: moments of the draws)",
+            "exact": False,
+        }
+
+    @classmethod
+    def from_file(cls, tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> BBBPosterior:
+        return cls(
+            tensors["mean"],
+            tensors["std"],
+            float(meta["prior_precision"]),
+            int(meta["n_data"]),
+            int(meta["samples"]),
+            int(meta["seed"]),
+            Subset(meta["subset"]),
+            cls.provenance(meta, _OWN_KEYS),
+        )
+
+
+_OWN_KEYS = {"prior_precision", "n_data", "samples", "seed", "predictive", "exact"}
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------
+
+
+def train_mean_field(
+    classifier: Classifier,
+    train: ArrayData,
+    cfg: BBBConfig,
+    delta: float,
+    device: torch.device,
+) -> tuple[BBBPosterior, list[float]]:
+    """Run BBB from ``classifier``'s weights (the means) and return the posterior and the per-epoch
+    objective (``mean NLL + KL/N``)."""
+    torch.manual_seed(cfg.seed)  # the layers draw their noise from the global generator
+    classifier.to(device)
+    bnet = bayesian_copy(classifier.net, cfg.init_std).train()
+    params = [p for p in bnet.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = len(train)
+    history = []
+    for _ in track(range(cfg.epochs), total=cfg.epochs, description="BBB"):
+        perm = torch.randperm(n, generator=gen)
+        total = 0.0
+        for start in range(0, n, cfg.batch_size):
+            idx = perm[start : start + cfg.batch_size]
+            xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
+            loss = F.cross_entropy(bnet(classifier.normalise(xb)), yb) + bbb_kl(bnet, delta) / n
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        history.append(total / n)
+    classifier.cpu()
+    mean, std = moments(bnet.cpu(), classifier.net)
+    return BBBPosterior(mean, std, float(delta), n, cfg.samples, cfg.seed), history
+
+
+def _val_nll(post: BBBPosterior, classifier: Classifier, val: ArrayData, batch_size: int) -> float:
+    probs = []
+    for x, _ in val.batches(batch_size):
+        gen = torch.Generator().manual_seed(post.seed)
+        probs.append(post.sample_logits(post.samples, classifier, x, None, gen).softmax(-1).mean(0))
+    return nll(torch.cat(probs), val.y)
+
+
+def _fit(
+    classifier: Classifier,
+    train: ArrayData,
+    val: ArrayData | None,
+    cfg: BBBConfig,
+    device: torch.device,
+    batch_size: int = 256,
+) -> BBBPosterior:
+    require(train.y is not None, f"{train.spec} has no labels; BBB needs labelled data")
+    start = time.perf_counter()
+    if cfg.select:
+        require(val is not None and val.y is not None, "--select needs labelled validation data (--val-data)")
+        curve, fits = [], {}
+        for delta in SELECT_GRID:
+            fits[delta] = train_mean_field(classifier, train, cfg, delta, device)
+            curve.append([delta, _val_nll(fits[delta][0], classifier, val, batch_size)])
+        delta = min(curve, key=lambda dv: dv[1])[0]
+        post, history = fits[delta]
+        post.meta["prior"] = {
+            "value": delta,
+            "method": "val-nll",
+            "curve": curve,
+            "objective": f"validation NLL (bnn predictive, {cfg.samples} draws)",
+        }
+        warning = edge_warning(delta, curve)
+        if warning:
+            post.meta["prior"]["warning"] = warning
+    else:
+        post, history = train_mean_field(classifier, train, cfg, cfg.prior_precision, device)
+        post.meta["prior"] = {"value": cfg.prior_precision, "method": "given"}
+    post.meta["vi"] = {
+        "algorithm": "Bayes by Backprop, mean field (local reparameterisation for Linear, "
+        "weight reparameterisation for Conv2d)",
+        "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        "batch_size": cfg.batch_size,
+        "init_std": cfg.init_std,
+        "objective": history,
+    }
+    post.meta["fit_seconds"] = time.perf_counter() - start
+    return post
+
+
+def fit_bbb(
+    model: LoadedModel,
+    train: ArrayData,
+    val: ArrayData | None,
+    cfg: BBBConfig,
+    device: torch.device,
+    batch_size: int = 256,
+) -> BBBPosterior:
+    """BBB post hoc: the means start at the checkpoint's weights, ``σ`` at ``cfg.init_std``."""
+    post = _fit(model.classifier, train, val, cfg, device, batch_size)
+    post.meta["start"] = "checkpoint"
+    return post
+
+
+def train_bbb(
+    model_spec: str, train: ArrayData, val: ArrayData | None, cfg: BBBConfig, device: torch.device
+) -> tuple[Classifier, dict, BBBPosterior]:
+    """BBB from scratch on a builtin network; the returned classifier carries the means."""
+    spec = ModelSpec.parse(model_spec)
+    if spec.kind != "builtin":
+        raise BayescliError(
+            f"train --method bbb trains builtin models ({', '.join(builtin_names())}); got {spec}"
+        )
+    require(train.y is not None, f"{train.spec} has no labels; training needs labelled data")
+    torch.manual_seed(cfg.seed)
+    net = build_network(spec, train.num_classes, train.input_shape, {})
+    mean, std = channel_stats(train)
+    clf = Classifier(net, last_linear_name(net), mean, std)
+    post = _fit(clf, train, val, cfg, device)
+    post.meta["start"] = "scratch"
+    offset = 0
+    with torch.no_grad():
+        for p in clf.net.parameters():
+            p.copy_(post.mean[offset : offset + p.numel()].reshape(p.shape))
+            offset += p.numel()
+    clf.eval()
+    meta = {
+        "format": "bayescli-checkpoint",
+        "format_version": 1,
+        "bayescli_version": __version__,
+        "model": str(spec),
+        "model_kwargs": {},
+        "input_shape": list(train.input_shape),
+        "num_classes": train.num_classes,
+        "class_names": train.class_names,
+        "normalisation": {"mean": mean, "std": std},
+        "data": train.info,
+        "training": {"method": "bbb", **asdict(cfg)},
+        "train_loss": post.meta["vi"]["objective"],
+        "train_accuracy": accuracy(clf, train, torch.device("cpu")),
+        "val_accuracy": accuracy(clf, val, torch.device("cpu"))
+        if val is not None and val.y is not None
+        else None,
+    }
+    return clf, meta, post

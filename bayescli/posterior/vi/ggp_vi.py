@@ -1,0 +1,578 @@
+"""GGP VI (seed 003 §2.5, App. A.3–A.4, B.1): sparse variational GP classification with the GGP prior.
+
+Prior. Linearising the network at ``θ*`` with ``θ ~ N(0, δ⁻¹ I)`` gives a GP with mean
+``m(x) = f(x; θ*) − J(x) θ*`` and, classes taken independent (as the seed and
+:mod:`bayescli.predictive.ggp` do), kernels ``k_c(x, x') = δ⁻¹ J_c(x) J_c(x')ᵀ``. Last layer:
+``m = 0`` and one kernel ``δ⁻¹ φ̃(x)ᵀ φ̃(x')`` for every class (exact, rank ``D + 1``).
+
+Posterior. ``M`` inducing inputs ``Z`` fixed to a seeded random subset of the fitting data
+(the seed does not learn them), one whitened Gaussian per class: ``u_c = g_c(Z) = L_c v_c``,
+``v_c ~ q = N(m_c, S_c)``, ``S_c = R_c R_cᵀ`` (``R_c`` lower triangular), prior ``N(0, I)``.
+``L_c`` is a square root of ``K_c(Z, Z)`` from its eigendecomposition, truncated to the
+eigenvalues above ``RANK_TOL`` of the largest: the last-layer kernel has rank ``D + 1``, often
+below ``M``, where a Cholesky factor would need jitter. With ``W_c = diag(λ^{-½}) Uᵀ`` ``[r, M]``
+and ``a_c(x) = W_c k_c(Z, x)``, the predictive of each class is Gaussian (Hensman et al. 2015):
+
+    mean  m_c(x) + a_c(x)ᵀ m_c,      variance  k_c(x, x) − ‖a_c(x)‖² + ‖R_cᵀ a_c(x)‖².
+
+Objective. ``ELBO = Σ_n E_q[log softmax(f(x_n))_{y_n}] − Σ_c KL(N(m_c, S_c) ‖ N(0, I))``, estimated
+on minibatches (``−ELBO/N`` = batch mean NLL + KL/N, VI-SPEC §0), Adam with learning rate 0.1
+(the seed's) under a cosine schedule to zero (so the final iterate settles; the seed's CIFAR runs
+kept the rate constant). Expectations: ``K = 2`` Gauss–Hermite on ``f₀ − f₁``, else reparameterised
+Monte Carlo (``samples`` draws, seeded). The variational mean starts at the network's own
+function values (``u = f(Z; θ*) − m(Z)``), ``S_c`` at the prior ``I``.
+
+Why not GPyTorch (the seed's library): its Cholesky whitening needs jitter for the rank-deficient
+last-layer kernel, and its softmax likelihood estimates the expected log-likelihood with Monte-Carlo
+draws from the global generator (with learned class-mixing weights by default); the exact
+two-class expectation and seeded draws matter for the tests, and prediction from the posterior
+file would need the same formulas as here anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from bayescli.data import ArrayData
+from bayescli.errors import BayescliError, require
+from bayescli.features import extract_features
+from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.options import Subset, TrainConfig
+from bayescli.posterior.base import Posterior
+from bayescli.posterior.curvature import network_jacobian
+from bayescli.posterior.gaussian import LogitGaussian, augment
+from bayescli.posterior.laplace import fit_laplace, head_parameters
+from bayescli.posterior.prior import edge_warning, grid_search
+from bayescli.posterior.vi.glm_vi import (
+    MAX_JACOBIAN_BYTES,
+    SELECT_GRID,
+    VAL_SAMPLES,
+    _as_float,
+    expectation_label,
+    expected_log_softmax,
+    flat_parameters,
+    mc_nll,
+)
+from bayescli.progress import track
+from bayescli.train import train_classifier
+
+# Eigenvalues of K(Z, Z) below this fraction of the largest are dropped from the whitening.
+RANK_TOL = 1e-10
+_CHUNK = 2048
+
+
+@dataclass
+class GGPVIConfig:
+    """Settings of ``--method ggp-vi``.
+
+    * ``subset``: ``last-layer`` (kernel ``δ⁻¹ φ̃ᵀφ̃'``) or ``all`` (per-class Jacobian kernels).
+    * ``inducing_points``: M, a seeded random subset of the fitting data (at most all of it).
+    * ``prior_precision``: δ; ``None`` = the Laplace marginal-likelihood optimum at θ*
+      (Kronecker-factored for the last layer, diagonal for all layers).
+    * ``epochs``, ``lr``, ``batch_size``: Adam on the minibatch ELBO (cosine schedule).
+    * ``samples``: Monte-Carlo draws of the logits per input and step when K > 2 (K = 2 is exact).
+    * ``seed``: seeds the inducing points, the minibatches and the draws.
+    * ``select``: pick δ by validation NLL over the GLM VI grid (recorded in ``meta``).
+    """
+
+    subset: str = "last-layer"
+    inducing_points: int = 512
+    prior_precision: float | None = None
+    epochs: int = 50
+    lr: float = 0.1
+    batch_size: int = 256
+    samples: int = 16
+    seed: int = 0
+    select: bool = False
+
+    def __post_init__(self) -> None:
+        subsets = [s.value for s in Subset]
+        require(self.subset in subsets, f"--subset must be one of {', '.join(subsets)}, got '{self.subset}'")
+        self.prior_precision = _as_float(self.prior_precision, "--prior-precision")
+        require(
+            self.prior_precision is None or self.prior_precision > 0,
+            f"--prior-precision must be positive, got {self.prior_precision}",
+        )
+        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        require(
+            min(self.inducing_points, self.epochs, self.batch_size, self.samples) >= 1,
+            "--inducing-points, --epochs, --train-batch-size and --samples must be at least 1",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# whitened SVGP algebra
+# ---------------------------------------------------------------------------------------------
+
+
+def whitening(kernel: torch.Tensor) -> torch.Tensor:
+    """``W = diag(λ^{-½}) Uᵀ`` ``[C, r, M]`` for ``K = U diag(λ) Uᵀ`` ``[C, M, M]`` (float64).
+
+    ``r`` is the largest number of eigenvalues above ``RANK_TOL·λ_max`` over the classes; rows of a
+    class's dropped eigenvalues are zero (those directions carry no prior variance).
+    """
+    evals, evecs = torch.linalg.eigh(kernel.double())
+    evals, evecs = evals.flip(-1), evecs.flip(-1)  # descending
+    keep = evals > evals[..., :1].clamp_min(1e-300) * RANK_TOL
+    rank = int(keep.sum(-1).max())
+    require(rank > 0, "the GGP kernel on the inducing points is zero; check the features")
+    inv = torch.where(keep, evals.clamp_min(1e-300).rsqrt(), torch.zeros_like(evals))[..., :rank]
+    return (evecs[..., :rank] * inv[..., None, :]).transpose(-1, -2)
+
+
+@dataclass
+class Projected:
+    """Kernel quantities of ``N`` inputs against the inducing points at ``δ = 1``.
+
+    ``a [C|1, r, N] = W₁ k₁(Z, x)``, ``kres [C|1, N] = k₁(x, x) − ‖a‖²`` (≥ 0; computed in float64,
+    where it cancels) and the prior mean ``[N, C]``. At ``δ`` the kernel is ``k₁/δ``, so
+    ``a ∝ δ^{-½}`` and ``kres ∝ δ⁻¹``.
+    """
+
+    a: torch.Tensor
+    kres: torch.Tensor
+    prior_mean: torch.Tensor
+
+    def at(self, delta: float) -> Projected:
+        return Projected(self.a / math.sqrt(delta), self.kres / delta, self.prior_mean)
+
+    def columns(self, idx: torch.Tensor | slice) -> Projected:
+        return Projected(self.a[..., idx], self.kres[..., idx], self.prior_mean[idx])
+
+
+def _chol(raw_lower: torch.Tensor, log_diag: torch.Tensor) -> torch.Tensor:
+    """``R = tril(raw, −1) + diag(exp(log_diag))`` ``[C, r, r]`` (positive diagonal by construction)."""
+    return torch.tril(raw_lower, -1) + torch.diag_embed(log_diag.exp())
+
+
+def svgp_moments(
+    proj: Projected, mean: torch.Tensor, chol: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictive mean and variance ``[N, C]`` of every class at the inputs of ``proj``."""
+    f = proj.prior_mean + torch.einsum("crn,cr->nc", proj.a.expand(mean.shape[0], -1, -1), mean)
+    lta = chol.transpose(1, 2) @ proj.a  # [C, r, N]
+    var = (proj.kres + lta.square().sum(1)).T
+    return f, var
+
+
+def kl_whitened(mean: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """``Σ_c KL(N(m_c, R_c R_cᵀ) ‖ N(0, I))``."""
+    r = mean.shape[1]
+    logdet = 2 * torch.log(chol.diagonal(dim1=1, dim2=2)).sum()
+    return 0.5 * (chol.square().sum() + mean.square().sum() - mean.shape[0] * r - logdet)
+
+
+def predict_svgp(proj: Projected, mean: torch.Tensor, chol: torch.Tensor) -> LogitGaussian:
+    """The SVGP logit Gaussian (diagonal: classes are independent), in chunks of inputs."""
+    means, variances = [], []
+    n = proj.prior_mean.shape[0]
+    with torch.no_grad():
+        for start in range(0, n, _CHUNK):
+            f, v = svgp_moments(proj.columns(slice(start, start + _CHUNK)), mean, chol)
+            means.append(f)
+            variances.append(v)
+    return LogitGaussian(torch.cat(means), torch.cat(variances))
+
+
+@dataclass
+class SVGPResult:
+    mean: torch.Tensor
+    chol: torch.Tensor
+    objective: list[float]
+
+
+def train_svgp(
+    proj: Projected,
+    labels: torch.Tensor,
+    init_mean: torch.Tensor,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    samples: int,
+    seed: int,
+) -> SVGPResult:
+    """Maximise the whitened SVGP ELBO with Adam; ``init_mean [C, r]``, ``S`` starts at ``I``.
+
+    Returns the variational means ``[C, r]``, Cholesky factors ``[C, r, r]`` and the per-epoch
+    objective ``−ELBO/N`` (a minibatch average).
+    """
+    n = len(labels)
+    c, r = init_mean.shape
+    # float32 like GPyTorch: the O(C·B·r²) products dominate; what cancels (``kres``) was formed in
+    # float64 before.
+    dtype = torch.float32
+    proj = Projected(proj.a.to(dtype), proj.kres.to(dtype), proj.prior_mean.to(dtype))
+    mean = init_mean.clone().to(dtype).requires_grad_(True)
+    raw = torch.zeros(c, r, r, dtype=dtype, requires_grad=True)
+    log_diag = torch.zeros(c, r, dtype=dtype, requires_grad=True)
+    opt = torch.optim.Adam([mean, raw, log_diag], lr=lr)
+    steps = epochs * math.ceil(n / batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    gen = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in track(range(epochs), total=epochs, description="GGP VI"):
+        perm = torch.randperm(n, generator=gen)
+        total = 0.0
+        for start in range(0, n, batch_size):
+            idx = perm[start : start + batch_size]
+            chol = _chol(raw, log_diag)
+            f, var = svgp_moments(proj.columns(idx), mean, chol)
+            ell = expected_log_softmax(f, var, labels[idx], samples, gen).mean()
+            loss = -ell + kl_whitened(mean, chol) / n
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        history.append(total / n)
+    with torch.no_grad():
+        return SVGPResult(mean.detach().double(), _chol(raw, log_diag).detach().double(), history)
+
+
+# ---------------------------------------------------------------------------------------------
+# the posterior
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GGPVIPosterior(Posterior):
+    """Whitened SVGP per class under the GGP prior at ``prior_precision``.
+
+    ``whiten [C|1, r, M]`` is ``W`` at the fitted ``δ``; ``var_mean [C, r]``, ``var_chol [C, r, r]``
+    the variational parameters. Last layer: ``inducing [M, D]`` are the inducing points' features;
+    all layers: their pixel-space inputs ``[M, ...]`` (their Jacobians are recomputed from the
+    classifier, which must carry ``θ*``).
+    """
+
+    whiten: torch.Tensor
+    var_mean: torch.Tensor
+    var_chol: torch.Tensor
+    inducing: torch.Tensor
+    inducing_index: torch.Tensor
+    prior_precision: float
+    subset: Subset
+    head_bias: bool
+    n_data: int
+    meta: dict = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    method: ClassVar[str] = "ggp-vi"
+
+    @property
+    def label(self) -> str:
+        return f"ggp-vi {self.subset.value} M={len(self.inducing_index)}"
+
+    def summary(self) -> dict:
+        vi = self.meta.get("vi", {})
+        return {
+            "inducing_points": len(self.inducing_index),
+            "rank": int(self.whiten.shape[1]),
+            "prior_precision": self.prior_precision,
+            "prior_method": self.meta.get("prior", {}).get("method"),
+            "epochs": vi.get("epochs"),
+            "expectations": vi.get("expectations"),
+            "n_data": self.n_data,
+        }
+
+    def _aug(self, phi: torch.Tensor) -> torch.Tensor:
+        phi = phi.double()
+        return augment(phi) if self.head_bias else phi
+
+    def logit_gaussian(self, phi: torch.Tensor) -> LogitGaussian:
+        """SVGP logit Gaussian (independent classes) for last-layer features ``phi [N, D]``."""
+        if self.subset is not Subset.LAST_LAYER:
+            raise BayescliError("this posterior covers all layers; use logit_gaussian_inputs")
+        if "proj" not in self._cache:  # a(x) = W k(Z, x) = (W Φ̃_Z / δ) φ̃(x)
+            self._cache["proj"] = self.whiten.double() @ self._aug(self.inducing) / self.prior_precision
+        parts = []
+        for start in range(0, len(phi), _CHUNK):
+            x = self._aug(phi[start : start + _CHUNK])
+            a = self._cache["proj"] @ x.T  # [1, r, n]
+            kres = (x.square().sum(1) / self.prior_precision - a.square().sum(1)).clamp_min(0)
+            prior_mean = torch.zeros(len(x), self.var_mean.shape[0], dtype=torch.float64)
+            parts.append(
+                predict_svgp(Projected(a, kres, prior_mean), self.var_mean.double(), self.var_chol.double())
+            )
+        lg = LogitGaussian.cat(parts)
+        return LogitGaussian(lg.mean.to(phi.dtype), lg.var.to(phi.dtype))
+
+    def _inducing_jacobian(self, classifier: Classifier) -> torch.Tensor:
+        key = id(classifier)
+        if self._cache.get("jac_key") != key:
+            _, jac = network_jacobian(classifier.net, classifier.normalise(self.inducing))
+            self._cache |= {"jac_key": key, "jac": jac.double()}
+        return self._cache["jac"]
+
+    def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
+        """SVGP logit Gaussian for pixel-space inputs ``x [N, ...]`` (all-layer kernels)."""
+        if self.subset is Subset.LAST_LAYER:
+            return self.logit_gaussian(classifier.features(x))
+        theta = flat_parameters(classifier.net).double()
+        jac_z = self._inducing_jacobian(classifier)
+        require(
+            jac_z.shape[2] == theta.numel(),
+            "the network differs from the one the posterior was fitted on; use its checkpoint",
+        )
+        whiten1 = self.whiten.double() / math.sqrt(self.prior_precision)
+        proj = jacobian_projection(classifier, x, jac_z, whiten1, theta).at(self.prior_precision)
+        lg = predict_svgp(proj, self.var_mean.double(), self.var_chol.double())
+        return LogitGaussian(lg.mean.to(x.dtype), lg.var.to(x.dtype))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "whiten": self.whiten,
+            "var_mean": self.var_mean,
+            "var_chol": self.var_chol,
+            "inducing": self.inducing,
+            "inducing_index": self.inducing_index,
+        }
+
+    def own_metadata(self) -> dict:
+        return {
+            "prior_precision": self.prior_precision,
+            "head_bias": self.head_bias,
+            "n_data": self.n_data,
+            "inducing_points": len(self.inducing_index),
+            "predictive": "ggp-svgp",
+            "exact": True,
+        }
+
+    @classmethod
+    def from_file(cls, tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> GGPVIPosterior:
+        return cls(
+            tensors["whiten"],
+            tensors["var_mean"],
+            tensors["var_chol"],
+            tensors["inducing"],
+            tensors["inducing_index"],
+            float(meta["prior_precision"]),
+            Subset(meta["subset"]),
+            bool(meta["head_bias"]),
+            int(meta["n_data"]),
+            cls.provenance(meta, _OWN_KEYS),
+        )
+
+
+_OWN_KEYS = {"prior_precision", "head_bias", "n_data", "inducing_points", "predictive", "exact"}
+
+
+def jacobian_projection(
+    classifier: Classifier, x: torch.Tensor, jac_z: torch.Tensor, whiten1: torch.Tensor, theta: torch.Tensor
+) -> Projected:
+    """:class:`Projected` at ``δ = 1`` of inputs ``x`` for per-class Jacobian kernels.
+
+    ``jac_z [M, C, P]`` are the inducing points' Jacobians, ``whiten1 [C, r, M]`` the whitening of
+    ``k₁`` (at ``δ = 1``: pass ``W/√δ`` for a posterior's ``W``; :meth:`Projected.at` rescales).
+    """
+    f, jac = network_jacobian(classifier.net, classifier.normalise(x))
+    jac, f = jac.double(), f.double()
+    k_zx = torch.einsum("mcp,ncp->cmn", jac_z, jac)
+    a = whiten1 @ k_zx
+    kres = (jac.square().sum(-1).T - a.square().sum(1)).clamp_min(0)
+    return Projected(a, kres, f - jac @ theta)
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Kernel:
+    """Everything the fit needs at ``δ = 1``: whitening, training (and validation) projections and
+    the inducing values of the network itself ``u* = f(Z; θ*) − m(Z)`` ``[M, C]``."""
+
+    whiten1: torch.Tensor
+    train: Projected
+    val: Projected | None
+    u_star: torch.Tensor
+    inducing: torch.Tensor
+
+
+def _last_layer_kernel(
+    phi: torch.Tensor,
+    val_phi: torch.Tensor | None,
+    index: torch.Tensor,
+    head_weight: torch.Tensor,
+    bias: bool,
+) -> _Kernel:
+    def aug(p: torch.Tensor) -> torch.Tensor:
+        p = p.double()
+        return augment(p) if bias else p
+
+    z = aug(phi[index])
+    whiten1 = whitening((z @ z.T)[None])
+    proj = whiten1 @ z  # [1, r, D+1]: a₁(x) = W₁ Φ̃_Z φ̃(x)
+
+    def project(p: torch.Tensor) -> Projected:
+        parts, kres = [], []
+        for start in range(0, len(p), _CHUNK):
+            x = aug(p[start : start + _CHUNK])
+            a = proj @ x.T
+            parts.append(a)
+            kres.append((x.square().sum(1) - a.square().sum(1)).clamp_min(0))
+        k = head_weight.shape[0]
+        return Projected(
+            torch.cat(parts, -1), torch.cat(kres, -1), torch.zeros(len(p), k, dtype=torch.float64)
+        )
+
+    u_star = z @ head_weight.double().T
+    return _Kernel(whiten1, project(phi), None if val_phi is None else project(val_phi), u_star, phi[index])
+
+
+def _all_layer_kernel(
+    classifier: Classifier, train: ArrayData, val: ArrayData | None, index: torch.Tensor, batch_size: int
+) -> _Kernel:
+    theta = flat_parameters(classifier.net).double()
+    k, m = classifier.num_classes, len(index)
+    need = (m + batch_size) * k * theta.numel() * 8
+    if need > MAX_JACOBIAN_BYTES:
+        raise BayescliError(
+            f"the all-layer GGP kernel keeps {m:,}×{k}×{theta.numel():,} Jacobian entries "
+            f"({need / 2**30:.1f} GiB); lower --inducing-points or use --subset last-layer"
+        )
+    inducing = train.inputs(index)
+    f_z, jac_z = network_jacobian(classifier.net, classifier.normalise(inducing))
+    jac_z = jac_z.double()
+    whiten1 = whitening(torch.einsum("mcp,ncp->cmn", jac_z, jac_z))
+
+    def project(data: ArrayData) -> Projected:
+        parts = [
+            jacobian_projection(classifier, x, jac_z, whiten1, theta) for x, _ in data.batches(batch_size)
+        ]
+        return Projected(
+            torch.cat([p.a for p in parts], -1),
+            torch.cat([p.kres for p in parts], -1),
+            torch.cat([p.prior_mean for p in parts]),
+        )
+
+    u_star = jac_z @ theta  # f(Z) − m(Z) = J(Z) θ*
+    return _Kernel(whiten1, project(train), None if val is None else project(val), u_star, inducing)
+
+
+def _fit(
+    kernel: _Kernel,
+    labels: torch.Tensor,
+    val_labels: torch.Tensor | None,
+    index: torch.Tensor,
+    marglik: float | None,
+    cfg: GGPVIConfig,
+    subset: Subset,
+    bias: bool,
+) -> GGPVIPosterior:
+    c = kernel.u_star.shape[1]
+    # v* = W u*: the whitened inducing values of the network itself (δ = 1; scales as √δ).
+    v1 = torch.einsum("crm,mc->cr", kernel.whiten1.expand(c, -1, -1), kernel.u_star)
+
+    def run(delta: float) -> SVGPResult:
+        init = v1 * math.sqrt(delta)
+        args = (cfg.epochs, cfg.lr, cfg.batch_size, cfg.samples, cfg.seed)
+        return train_svgp(kernel.train.at(delta), labels, init, *args)
+
+    fits: dict[float, SVGPResult] = {}
+    if cfg.select:
+
+        def objective(delta: float) -> float:
+            fits[delta] = run(delta)
+            lg = predict_svgp(kernel.val.at(delta), fits[delta].mean, fits[delta].chol)
+            return mc_nll(lg, val_labels, cfg.seed)
+
+        delta, curve = grid_search(objective, SELECT_GRID)
+        prior = {
+            "value": delta,
+            "method": "val-nll",
+            "curve": curve,
+            "objective": f"validation NLL (svgp predictive, {VAL_SAMPLES} MC draws)",
+        }
+        warning = edge_warning(delta, curve)
+        if warning:
+            prior["warning"] = warning
+        result = fits[delta]
+    else:
+        delta = cfg.prior_precision if cfg.prior_precision is not None else marglik
+        result = run(delta)
+        prior = {"value": delta, "method": "given" if cfg.prior_precision is not None else "laplace-marglik"}
+    post = GGPVIPosterior(
+        kernel.whiten1 * math.sqrt(delta),
+        result.mean,
+        result.chol,
+        kernel.inducing,
+        index,
+        float(delta),
+        subset,
+        bias,
+        len(labels),
+    )
+    post.meta["prior"] = prior
+    post.meta["vi"] = {
+        "algorithm": "whitened SVGP with the GGP prior (seed 003 App. B.1), classes independent",
+        "inducing": f"{len(index)} fitting inputs, seeded random subset (fixed)",
+        "rank": int(kernel.whiten1.shape[1]),
+        "laplace_marglik_prior_precision": marglik,
+        "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        "batch_size": cfg.batch_size,
+        "schedule": "cosine to zero",
+        "expectations": expectation_label(c, cfg.samples),
+        "objective": result.objective,
+    }
+    return post
+
+
+def _marglik_delta(
+    classifier: Classifier, phi: torch.Tensor | None, train: ArrayData, subset: Subset, batch_size: int
+) -> float:
+    """The Laplace marginal-likelihood ``δ`` (kron for the last layer, diag for all layers)."""
+    if subset is Subset.LAST_LAYER:
+        return fit_laplace(classifier, phi=phi, labels=train.y, structure="kron").prior_precision
+    batches = list(train.batches(batch_size))
+    return fit_laplace(classifier, batches=batches, subset=subset, structure="diag").prior_precision
+
+
+def fit_ggp_vi(
+    model: LoadedModel,
+    train: ArrayData,
+    val: ArrayData | None,
+    cfg: GGPVIConfig,
+    device: torch.device,
+    batch_size: int = 256,
+) -> GGPVIPosterior:
+    """GGP VI post hoc on a trained checkpoint."""
+    start = time.perf_counter()
+    subset = Subset(cfg.subset)
+    require(train.y is not None, f"{train.spec} has no labels; GGP VI needs labelled fitting data")
+    if cfg.select:
+        require(val is not None and val.y is not None, "--select needs labelled validation data (--val-data)")
+    clf = model.classifier
+    last = subset is Subset.LAST_LAYER
+    phi = extract_features(model, train, batch_size, device).phi if last else None
+    val_phi = extract_features(model, val, batch_size, device).phi if last and cfg.select else None
+    clf.cpu().eval()
+    index = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
+    index = index[: min(cfg.inducing_points, len(train))].sort().values
+    marglik = None
+    if cfg.prior_precision is None or cfg.select:
+        marglik = _marglik_delta(clf, phi, train, subset, batch_size)
+    bias = clf.head.bias is not None
+    if last:
+        kernel = _last_layer_kernel(phi, val_phi, index, head_parameters(clf.head), bias)
+    else:
+        kernel = _all_layer_kernel(clf, train, val if cfg.select else None, index, batch_size)
+    post = _fit(kernel, train.y, None if val is None else val.y, index, marglik, cfg, subset, bias and last)
+    post.meta["fit_seconds"] = time.perf_counter() - start
+    return post
+
+
+def train_ggp_vi(
+    model_spec: str, train: ArrayData, val: ArrayData | None, cfg: GGPVIConfig, device: torch.device
+) -> tuple[Classifier, dict, GGPVIPosterior]:
+    """Train the MAP network (the trainer's defaults, seeded with ``cfg.seed``), then fit GGP VI."""
+    clf, meta = train_classifier(model_spec, train, val, TrainConfig(seed=cfg.seed), device)
+    loaded = LoadedModel(clf, ModelSpec.parse(model_spec), Path(), "", meta)
+    return clf, meta, fit_ggp_vi(loaded, train, val, cfg, device)
