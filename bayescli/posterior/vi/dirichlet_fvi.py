@@ -56,7 +56,7 @@ from torch import nn
 from torch.func import functional_call
 
 from bayescli._version import __version__
-from bayescli.data import ArrayData, load_data
+from bayescli.data import ArrayData, Data, load_data
 from bayescli.data.shifts import SYNTHETIC_OOD, parse_angles, rotate, synthetic_ood
 from bayescli.dirichlet import dirichlet_to_gaussian, dirichlet_to_gaussian_diag, fit_precision
 from bayescli.errors import BayescliError, require
@@ -725,7 +725,7 @@ def _optimise(
 
 def _index_source(
     spec: str | None, train: ArrayData, cfg: DirichletFVIConfig
-) -> list[float] | ArrayData | None:
+) -> list[float] | Data | None:
     """Parse ``index_data``: rotation angles, an unlabeled pool, or ``None`` (the batch only)."""
     if not spec:
         return None
@@ -804,7 +804,7 @@ def fit_dirichlet_fvi(
             )
             for a in source
         ]
-    elif isinstance(source, ArrayData):
+    elif source is not None:  # an unlabeled pool (loaded or synthetic)
         extra = [extract_features(model, source, batch_size, device).phi.to(device)]
     else:
         extra = []
