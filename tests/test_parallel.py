@@ -99,3 +99,41 @@ def test_together_passes_a_single_process_error_through():
         raise BayescliError("bad input")
     with parallel.together():
         pass
+
+
+def _fit(args: list, out, extra_env: dict | None = None, launcher: list | None = None):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    cmd = [sys.executable, *(launcher or []), "-m", "bayescli", "fit-laplace", *map(str, args)]
+    root = Path(__file__).parents[1]
+    return subprocess.run(
+        [*cmd, "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("hessian", ["kron", "diag"])
+def test_torchrun_two_processes_fit_the_one_process_posterior(digits_ckpt, tmp_path, hessian):
+    """Each process fits its half of digits:train; the summed posterior is the one-process one."""
+    from bayescli.io import load_tensors
+
+    args = ["--model", "builtin:small-cnn", "--checkpoint", digits_ckpt, "--data", "digits:train",
+            "--hessian", hessian, "--prior-precision", "auto", "--device", "cpu", "--quiet"]  # fmt: skip
+    one = _fit(args, tmp_path / "one.safetensors")
+    assert one.returncode == 0, one.stderr
+    run = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port())]  # fmt: skip
+    two = _fit(args, tmp_path / "two.safetensors", launcher=run)
+    assert two.returncode == 0, two.stderr
+    t1, m1 = load_tensors(tmp_path / "one.safetensors")
+    t2, m2 = load_tensors(tmp_path / "two.safetensors")
+    assert m2["processes"] == 2 and m1["processes"] == 1 and m1["n_data"] == m2["n_data"]
+    # Float32 partial sums regrouped at the shard boundary: agreement to float32 accumulation
+    # error (~1e-7 relative), asserted at the issue's 1e-6.
+    for key in t1:
+        scale = t1[key].double().abs().max()
+        assert (t1[key].double() - t2[key].double()).abs().max() <= 1e-6 * scale, key
+    assert abs(m1["prior_precision"] - m2["prior_precision"]) <= 1e-6 * m1["prior_precision"]
+    assert abs(m1["log_likelihood"] - m2["log_likelihood"]) <= 1e-6 * abs(m1["log_likelihood"])

@@ -81,6 +81,7 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
+    from bayescli import parallel
     from bayescli.data import validation_spec
     from bayescli.features import FeatureStream, extract_features
     from bayescli.metrics import low_accuracy_warning
@@ -99,6 +100,17 @@ def fit_laplace_cmd(
         model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
         num_workers, skip_unreadable,
     )  # fmt: skip
+    world = parallel.world()
+    full_data = fit_data
+    if world.distributed:
+        if subset is Subset.ALL or refine_mode:
+            raise BayescliError(
+                "under torchrun only last-layer fits without --refine-mode are sharded; run one process"
+            )
+        import torch
+
+        rows = parallel.shard(len(fit_data), world)
+        fit_data = fit_data.subset(torch.arange(rows.start, rows.stop))
     # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
     stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
     batches = features = None
@@ -130,9 +142,12 @@ def fit_laplace_cmd(
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
         tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
-    c.record_provenance(post, loaded, fit_data)
+    c.record_provenance(post, loaded, full_data)
     post.meta["backend"] = backend.value
-    post.save(out)
+    post.meta["processes"] = world.size
+    if world.is_main:
+        post.save(out)
+    parallel.barrier()
     summary = {
         "posterior": str(out),
         "subset": subset.value,

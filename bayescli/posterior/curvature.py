@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bayescli import parallel
 from bayescli.errors import BayescliError
 from bayescli.options import Backend, CurvatureType, HessianStructure
 
@@ -165,6 +166,7 @@ class CurvatureAccumulator:
         if structure is HessianStructure.FULL:
             weight_aug = weight_aug.double()  # its eigendecomposition needs the accuracy
         self.weight = weight_aug
+        self.weight64 = weight_aug.double()
         if backend is Backend.BACKPACK:
             from backpack import extend
 
@@ -215,15 +217,17 @@ class CurvatureAccumulator:
                 targets = labels if labels is not None else logits.argmax(1)
             part = _backpack_batch(self.structure, self.curvature, self.lin, self.loss_fn, xb, targets)
         else:
-            logits = xb @ self.weight.T
+            # float64 per batch: the factors are then sums of rounded-to-1e-16 terms, so a split
+            # of the data into other batches or process shards changes them by ~1e-15 only.
+            xb = xb.double()
+            logits = xb @ self.weight64.T
             part = _closed_form_batch(
                 self.structure, self.curvature, xb, logits.softmax(-1), labels, self.gen
             )
         if labels is not None:
             self.log_lik -= nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
-        self.totals = (
-            list(part) if self.totals is None else [t + p for t, p in zip(self.totals, part, strict=True)]
-        )
+        part = [p.double() for p in part]  # accumulated in float64 whatever the batch dtype
+        self.totals = part if self.totals is None else [t + p for t, p in zip(self.totals, part, strict=True)]
         self.n += len(xb)
 
     def finish(self) -> Curvature:
@@ -232,6 +236,12 @@ class CurvatureAccumulator:
             self._drain(self._buffered)
         if self.totals is None:
             raise BayescliError("no fitting data: the feature stream was empty")
+        if parallel.world().distributed:
+            # Each process summed its shard; the sums of all shards are the one-process sums.
+            self.totals = [parallel.all_reduce_sum(t) for t in self.totals]
+            self.n = int(parallel.all_reduce_sum(torch.tensor([float(self.n)])).item())
+            self.log_lik = parallel.all_reduce_sum(self.log_lik.reshape(1))[0]
+            self.labelled = parallel.all_reduce_max(0.0 if self.labelled else 1.0) == 0.0
         n, totals = self.n, self.totals
         if self.structure is HessianStructure.DIAG:
             return Curvature(self.structure, n, diag=totals[0])

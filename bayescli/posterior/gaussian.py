@@ -203,7 +203,7 @@ class DiagGaussian(WeightGaussian):
     def __init__(self, mean: torch.Tensor, h: torch.Tensor, delta: float = 1.0) -> None:
         if mean.shape != h.shape:
             raise ValueError(f"mean {list(mean.shape)} and curvature {list(h.shape)} differ")
-        self.mean, self.h, self.delta = mean, h, float(delta)
+        self.mean, self.h, self.delta = mean, h.to(mean.dtype), float(delta)
 
     def _refresh(self) -> None:
         """Nothing is cached: :meth:`variance` reads ``δ`` directly."""
@@ -246,10 +246,12 @@ class KronGaussian(WeightGaussian):
                 f"Kronecker factors {list(G.shape)}, {list(A.shape)} do not fit {list(mean.shape)}"
             )
         self.mean, self.G, self.A, self.delta = mean, G, A, float(delta)
-        g, self.Q_G = torch.linalg.eigh(G)
-        a, self.Q_A = torch.linalg.eigh(A)
-        # Eigenvalues of PSD factors may come out at -1e-7; they are zero in exact arithmetic.
-        self.g, self.a = g.clamp_min(0), a.clamp_min(0)
+        # Factors are accumulated and decomposed in float64; the predictive runs in the mean's dtype.
+        g, q_g = torch.linalg.eigh(G.double())
+        a, q_a = torch.linalg.eigh(A.double())
+        self.Q_G, self.Q_A = q_g.to(mean.dtype), q_a.to(mean.dtype)
+        # Eigenvalues of PSD factors may come out at -1e-16·‖·‖; they are zero in exact arithmetic.
+        self.g, self.a = g.clamp_min(0).to(mean.dtype), a.clamp_min(0).to(mean.dtype)
         # One GEMM gives both the logit mean and u = Q_Aᵀφ̃ for every input.
         self._mean_and_basis = torch.cat([mean.T, self.Q_A], dim=1)  # [D+1, K + D+1]
         self._Q_G2 = self.Q_G.pow(2).T.contiguous()  # var_k = Σ_i Q_G[k,i]² spectrum_i
