@@ -88,10 +88,19 @@ def device_for(device: torch.device) -> torch.device:
     return device
 
 
-def shard(n: int, w: World | None = None) -> range:
-    """Rows ``[rank·n/size, (rank+1)·n/size)`` of ``n``: contiguous, disjoint, covering ``0..n``."""
+def shard(n: int, w: World | None = None, align: int = 1) -> range:
+    """This process's rows of ``n``: contiguous, disjoint, covering ``0..n`` in rank order.
+
+    With ``align = B`` the boundaries fall on multiples of ``B`` (blocks ``[rank·b/size,
+    (rank+1)·b/size)`` of the ``b = ⌈n/B⌉`` batches), so every process reads exactly the batches a
+    single process would (what per-batch seeded transforms need); when there are fewer batches
+    than processes the boundaries fall back to single rows.
+    """
     w = w or world()
-    return range(w.rank * n // w.size, (w.rank + 1) * n // w.size)
+    blocks = -(-n // align) if align > 1 else n
+    if blocks < w.size:
+        align, blocks = 1, n
+    return range(min(w.rank * blocks // w.size * align, n), min((w.rank + 1) * blocks // w.size * align, n))
 
 
 def _comm_device() -> torch.device:
@@ -138,6 +147,18 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(parts, padded)
     return torch.cat([p[: int(c)] for p, c in zip(parts, counts.tolist(), strict=True)]).to(tensor.device)
+
+
+def gather_objects(obj: object) -> list:
+    """Every process's ``obj`` (picklable, e.g. a dict of skipped files) as a list in rank order.
+
+    Objects travel between this job's own processes only (never from files).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -166,9 +166,9 @@ def evaluate_cmd(
     outcomes = check_gates(report["results"], gates)
     if outcomes:
         report["gates"] = outcomes
-    if out is not None:
+    if out is not None and c.is_main_process():
         write_json(out, report)
-    if html_out is not None:
+    if html_out is not None and c.is_main_process():
         write_report(report, html_path=html_out)
     res = report["results"]
     tables = [

@@ -261,6 +261,13 @@ class Data:
             )
         self.source.unreadable.update({row: (path, reason) for row, path, reason in bad})
 
+    def add_unreadable(self, found: list[dict[int, tuple[str, str]]]) -> None:
+        """Record rows that other views (e.g. other processes' shards) found unreadable:
+        ``found`` is a list of :attr:`unreadable` mappings ``{row: (path, reason)}``."""
+        for part in found:
+            self.source.unreadable.update(part)
+        self._note_skipped()
+
     def _note_skipped(self) -> None:
         skipped = self.skipped
         if skipped:

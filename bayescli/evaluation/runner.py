@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bayescli import parallel
 from bayescli._version import __version__
 from bayescli.data import Data, load_data
 from bayescli.data.corruptions import APPROXIMATIONS, OfficialSource, corrupt, parameter_set
@@ -106,39 +107,63 @@ class Evaluator:
     def outputs(self, data: Data, detect: bool = False) -> dict[str, MethodOutput]:
         """Every method's output on ``data`` (one backbone pass); ``detect`` adds the OOD
         detectors' scores."""
+        world = parallel.world()
+        local = data
+        if world.distributed:
+            # Batch-aligned shards: each process reads the batches one process would, so seeded
+            # per-batch shifts (noise corruptions) draw the same numbers.
+            rows = parallel.shard(len(data), world, align=self.cfg.batch_size)
+            local = data.subset(torch.arange(rows.start, rows.stop))
         attack_before = self.timings["attack"]
-        feats = extract_features(self.model, data, self.cfg.batch_size, self.cfg.device)
-        self.model.classifier.cpu()
-        # an FGSM view attacks while streaming: its seconds are counted under "attack"
-        self.timings["forward"] += feats.seconds - (self.timings["attack"] - attack_before)
+        outs = {}
+        with parallel.together():  # an error on any process (say, an unreadable file) ends all
+            feats = extract_features(self.model, local, self.cfg.batch_size, self.cfg.device)
+            self.model.classifier.cpu()
+            # an FGSM view attacks while streaming: its seconds are counted under "attack"
+            self.timings["forward"] += feats.seconds - (self.timings["attack"] - attack_before)
+            for m in self.methods:
+                post = self.posts[m.posterior] if m.posterior else None
+                out = run_method(
+                    m,
+                    post,
+                    feats,
+                    self.model.classifier,
+                    local,
+                    self.cfg.samples,
+                    self.cfg.seed,
+                    self.ggp.get(m.posterior),
+                    self.temperature,
+                )
+                for key, sec in out.seconds.items():
+                    self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
+                outs[m.name] = out
+            if detect:
+                self.baselines.score(outs, feats, local)
+        if world.distributed:
+            feats, outs = _gathered(feats, outs)
+            data.add_unreadable(parallel.gather_objects(local.unreadable))
         if self.map_accuracy is None and feats.labels is not None:
             self.map_accuracy = accuracy(feats.logits, feats.labels)
         self.n_forward += len(data)
-        outs = {}
-        for m in self.methods:
-            post = self.posts[m.posterior] if m.posterior else None
-            out = run_method(
-                m,
-                post,
-                feats,
-                self.model.classifier,
-                data,
-                self.cfg.samples,
-                self.cfg.seed,
-                self.ggp.get(m.posterior),
-                self.temperature,
-            )
-            for key, sec in out.seconds.items():
-                self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
-            outs[m.name] = out
-        if detect:
-            self.baselines.score(outs, feats, data)
         self.last_features = feats
         return outs
 
     def summaries(self, data: Data) -> dict[str, dict]:
         """Per-method accuracy, NLL, Brier, ECE, MMC, entropy on a shifted copy of the test set."""
         return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
+
+
+def _gathered(feats: Features, outs: dict[str, MethodOutput]) -> tuple[Features, dict[str, MethodOutput]]:
+    """Every process's rows of ``feats`` and ``outs`` in dataset order (metrics such as AUROC
+    need all of them)."""
+    labels = None if feats.labels is None else parallel.gather(feats.labels)
+    whole = Features(parallel.gather(feats.phi), parallel.gather(feats.logits), labels, feats.seconds)
+    return whole, {
+        name: MethodOutput(
+            parallel.gather(o.probs), {k: parallel.gather(v) for k, v in o.scores.items()}, o.seconds
+        )
+        for name, o in outs.items()
+    }
 
 
 def _in_distribution(data: Data, outs: dict[str, MethodOutput]) -> dict:

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from bayescli import parallel
 from bayescli.errors import BayescliError
 from bayescli.models import Classifier
 from bayescli.options import Subset
@@ -143,16 +144,19 @@ class LaplacePosterior(Posterior):
         """
         bias = head.bias is not None
         acc = None
-        for phi, labels in batches:
-            if not torch.isfinite(phi).all():
-                raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
+        # Under torchrun each process streams its shard; a failure on any ends every process
+        # here, before the sums in ``finish`` (so none waits in a collective).
+        with parallel.together():
+            for phi, labels in batches:
+                if not torch.isfinite(phi).all():
+                    raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
+                if acc is None:
+                    # on the features' device and dtype (the backbone may still sit on a GPU)
+                    mean = (head_parameters(head) if mean is None else mean).to(phi)
+                    acc = CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
+                acc.update(augment(phi) if bias else phi, labels)
             if acc is None:
-                # on the features' device and dtype (the backbone may still sit on a GPU)
-                mean = (head_parameters(head) if mean is None else mean).to(phi)
-                acc = CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
-            acc.update(augment(phi) if bias else phi, labels)
-        if acc is None:
-            raise BayescliError("no fitting data: the feature stream was empty")
+                raise BayescliError("no fitting data: the feature stream was empty")
         curv = acc.finish()
         return cls(
             _gaussian(curv, mean, 1.0),
