@@ -272,3 +272,13 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_message(tmp_path):
     assert len(errors) == 1 and errors[0].startswith(f"error: rank 1: cannot read {broken}"), err
     assert err.count("exitcode") >= 1 and "exitcode  : 2" in err, err
     assert not out.exists()
+
+
+def test_commands_that_do_not_shard_refuse_to_run_on_several_processes(cli, monkeypatch, tmp_path):
+    """Under a launcher (RANK/WORLD_SIZE set), predict would repeat its work on every process."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "m.safetensors"
+    res = cli("train", "--model", "builtin:mlp", "--data", "digits:train", "--epochs", "1", "--out", out)
+    assert res.code == 2 and "start it without torchrun" in res.err and len(res.err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bayescli import progress
-from bayescli.errors import BayescliError
+from bayescli.errors import AllRanksError, BayescliError
 from bayescli.options import Interpolation, PreprocessPreset
 
 if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must not load torch
@@ -277,15 +277,21 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
             stdout.print(r)
 
 
-def resolve_device(spec: str) -> torch.device:
+def resolve_device(spec: str, sharded: bool = False) -> torch.device:
     """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`).
 
     Under torchrun this also joins the process group (NCCL for CUDA, Gloo for CPU) and gives
-    each process its own GPU (``cuda:LOCAL_RANK``).
+    each process its own GPU (``cuda:LOCAL_RANK``); commands that do not shard their work
+    (``sharded=False``) refuse to run on several processes rather than repeat it on each.
     """
     from bayescli import parallel
     from bayescli.features import resolve_device as resolve
 
+    if parallel.world().distributed and not sharded:
+        raise AllRanksError(
+            "this command runs in one process; start it without torchrun "
+            "(fit-laplace and evaluate share their work across torchrun's processes)"
+        )
     device = resolve(spec)
     parallel.init(device)
     return parallel.device_for(device)

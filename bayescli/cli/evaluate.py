@@ -137,7 +137,7 @@ def evaluate_cmd(
         batch_size=batch_size,
         data_root=data_root,
         download=download,
-        device=c.resolve_device(device),
+        device=c.resolve_device(device, sharded=True),
         num_workers=num_workers,
         skip_unreadable=skip_unreadable,
         baselines=BaselineConfig(

@@ -94,7 +94,7 @@ def fit_laplace_cmd(
     prior = parse_prior(prior_precision)
     if prior == "val-nll" and predictive is Predictive.GGP:
         raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
-    dev = c.resolve_device(device)
+    dev = c.resolve_device(device, sharded=True)
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
     loaded, fit_data = c.load_model_and_data(
         model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,

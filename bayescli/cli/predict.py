@@ -205,8 +205,6 @@ def predict_cmd(
         "timings": pred.timings,
     }
     row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
-    if not c.is_main_process():  # predict is not sharded: under torchrun every process has it all
-        out = None
     if out is not None and out.suffix == ".jsonl":
         write_jsonl(out, report, rows(pred.probs, feats.labels, model.class_names, row_extra))
     elif out is not None and out.suffix == ".json":
