@@ -101,7 +101,7 @@ def main() -> None:
             rows.append(("evaluate", procs, run([*evaluate, "--out", reports[procs]], procs)))
         r1 = dict(leaves(json.loads(reports[1].read_text())["results"]))
         r2 = dict(leaves(json.loads(reports[2].read_text())["results"]))
-        eval_diff = max(abs(r1[k] - r2[k]) / max(abs(r1[k]), 1e-12) for k in r1)
+        eval_diff, worst = max((abs(r1[k] - r2[k]) / max(abs(r1[k]), 1e-12), k) for k in r1)
 
     print(
         f"{opts.images} JPEGs, resnet18 224 px, kron; torch {torch.__version__}, {os.cpu_count()} CPUs"
@@ -112,7 +112,8 @@ def main() -> None:
         print(f"{cmd:<12} {procs:>9} {sec:>8.1f} {sec / base[cmd]:>12.2f}x")
     print(f"posterior tensors: max relative difference {fit_diff:.1e} (target 1e-6)")
     print(f"prior precision: {m1['prior_precision']:.6g} vs {m2['prior_precision']:.6g} ({delta_diff:.1e})")
-    print(f"evaluate metrics: max relative difference {eval_diff:.1e} (target 1e-5)")
+    print(f"evaluate metrics: max relative difference {eval_diff:.1e} at {worst} (target 1e-5)")
+    print(f"  {worst}: {r1[worst]!r} vs {r2[worst]!r}")
 
 
 if __name__ == "__main__":
