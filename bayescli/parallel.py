@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from bayescli.errors import AllRanksError, BayescliError
+
+SETTLE_SECONDS = 2.0  # how long ranks > 0 wait for rank 0's message when there is no process group
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,22 @@ def together() -> Iterator[None]:
     agreed = first_error(message)
     if agreed is not None:
         raise AllRanksError(agreed if world().distributed else message) from None
+
+
+def settle_after_error() -> None:
+    """Before a process exits on an error every rank shares: the other ranks wait until rank 0 has
+    printed it (torchrun stops every process as soon as one exits, which could cut rank 0 off).
+
+    Call on every rank; after the process group is up it is a barrier, before it the other ranks
+    give rank 0 a moment.
+    """
+    w = world()
+    if not w.distributed:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    elif not w.is_main:
+        time.sleep(SETTLE_SECONDS)
 
 
 def barrier() -> None:

@@ -23,7 +23,7 @@ import argparse
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,7 +93,7 @@ def main() -> None:
     times["post-hoc FSVI fit"] = time.perf_counter() - start
 
     sets = {"test": test, "ood": ood} | {
-        f"rot{a}": replace(test, x=rotate(test.inputs(slice(None)), a)) for a in ANGLES[1:]
+        f"rot{a}": test.map_inputs(partial(rotate, angle=a)) for a in ANGLES[1:]
     }
     sets["rot0"] = test
     gen = torch.Generator().manual_seed(0)

@@ -247,6 +247,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_message(tmp_path):
     from PIL import Image
 
     from bayescli.data import load_data
+    from bayescli.io import load_tensors
     from bayescli.options import TrainConfig
     from bayescli.train import save_checkpoint, train_classifier
 
@@ -273,6 +274,14 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_message(tmp_path):
     assert err.count("exitcode") >= 1 and "exitcode  : 2" in err, err
     assert not out.exists()
 
+    # Skipped on rank 1, recorded by rank 0; each process caches its own shard's features.
+    cache = tmp_path / "feats"
+    code, err = _finish(_bayescli([*args, "--skip-unreadable", "--feature-cache", cache], _torchrun(2)))
+    assert code == 0, err
+    _, meta = load_tensors(out)
+    assert meta["n_data"] == 23 and meta["data"]["unreadable"]["paths"] == [str(broken)]
+    assert sorted(p.name for p in tmp_path.glob("feats.rank*")) == ["feats.rank0-of-2", "feats.rank1-of-2"]
+
 
 def test_commands_that_do_not_shard_refuse_to_run_on_several_processes(cli, monkeypatch, tmp_path):
     """Under a launcher (RANK/WORLD_SIZE set), predict would repeat its work on every process."""
@@ -282,3 +291,9 @@ def test_commands_that_do_not_shard_refuse_to_run_on_several_processes(cli, monk
     res = cli("train", "--model", "builtin:mlp", "--data", "digits:train", "--epochs", "1", "--out", out)
     assert res.code == 2 and "start it without torchrun" in res.err and len(res.err.strip().splitlines()) == 1
     assert not out.exists()
+    # under torchrun: every process refuses, rank 0 says it once
+    code, err = _finish(
+        _bayescli(["train", "--model", "builtin:mlp", "--data", "digits:train", "--out", out], _torchrun(2))
+    )
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(errors) == 1 and "start it without torchrun" in errors[0], err

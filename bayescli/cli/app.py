@@ -66,6 +66,18 @@ app.command()(demo)
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: exit 0 ok, 1 a ``--fail-if`` gate failed, 2 bad usage or input, 3 a bug."""
     try:
+        _run(argv)
+    finally:
+        # Under torchrun, leave the process group before the interpreter tears down its threads
+        # (left to the exit handlers, Gloo can abort the process after a successful run).
+        if "torch.distributed" in sys.modules:
+            from bayescli import parallel
+
+            parallel.shutdown()
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
         rv = app(args=argv, standalone_mode=False)
     except _EXIT as exc:
         sys.exit(exc.exit_code)
@@ -79,8 +91,13 @@ def main(argv: list[str] | None = None) -> None:
         if common.state["debug"]:
             raise
         # Under torchrun every rank stops with the same AllRanksError message: print it once.
-        if common.is_main_process() or not isinstance(exc, AllRanksError):
+        shared = isinstance(exc, AllRanksError)
+        if common.is_main_process() or not shared:
             typer.echo(f"error: {exc}", err=True)
+        if shared:
+            from bayescli import parallel
+
+            parallel.settle_after_error()
         sys.exit(2)
     except Exception as exc:
         if common.state["debug"]:

@@ -81,6 +81,8 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
     """
+    import torch
+
     from bayescli import parallel
     from bayescli.data import validation_spec
     from bayescli.features import FeatureStream, extract_features
@@ -107,10 +109,12 @@ def fit_laplace_cmd(
             raise BayescliError(
                 "under torchrun only last-layer fits without --refine-mode are sharded; run one process"
             )
-        import torch
-
         rows = parallel.shard(len(fit_data), world)
         fit_data = fit_data.subset(torch.arange(rows.start, rows.stop))
+        if feature_cache is not None:  # each process caches its own shard
+            feature_cache = feature_cache.with_name(
+                f"{feature_cache.name}.rank{world.rank}-of-{world.size}"
+            )
     # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
     stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
     batches = features = None
@@ -142,6 +146,12 @@ def fit_laplace_cmd(
         c.check_labels(val, clf.num_classes)
         val_feats = extract_features(loaded, val, batch_size, dev)
         tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
+    map_accuracy = stream.accuracy
+    if world.distributed:  # what every process saw: skipped files and MAP accuracy over all shards
+        full_data.add_unreadable(parallel.gather_objects(fit_data.unreadable))
+        if map_accuracy is not None:
+            correct, n = parallel.all_reduce_sum(torch.tensor([stream.correct, stream.n])).tolist()
+            map_accuracy = correct / n
     c.record_provenance(post, loaded, full_data)
     post.meta["backend"] = backend.value
     post.meta["processes"] = world.size
@@ -163,13 +173,13 @@ def fit_laplace_cmd(
         "preprocess": loaded.preprocess.source,
         **{k: v for k, v in loaded.source.items() if v},
     }
-    if fit_data.skipped:
-        summary["skipped_unreadable"] = len(fit_data.skipped)
+    if full_data.skipped:
+        summary["skipped_unreadable"] = len(full_data.skipped)
         c.warn(
-            f"skipped {len(fit_data.skipped)} unreadable images of {data} (listed in the posterior's data)"
+            f"skipped {len(full_data.skipped)} unreadable images of {data} (listed in the posterior's data)"
         )
-    if stream.accuracy is not None:
-        summary["map_accuracy"] = stream.accuracy
+    if map_accuracy is not None:
+        summary["map_accuracy"] = map_accuracy
         c.warn(low_accuracy_warning(summary["map_accuracy"], clf.num_classes, f"the fitting data {data}"))
     c.warn(post.meta["prior"].get("warning"))
     if "refinement" in post.meta:
