@@ -28,7 +28,7 @@ def _record(what: str, ratio: float) -> None:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"test": test, "what": what, "ratio": ratio}) + "\n")
+        fh.write(json.dumps({"test": test, "what": what, "ratio": float(ratio)}) + "\n")
 
 
 def assert_close(actual, expected, *, rtol: float = 0.0, atol: float = 0.0, what: str = "") -> float:
