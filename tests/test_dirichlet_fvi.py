@@ -426,3 +426,16 @@ def test_parsing_and_bad_input(mlp_ckpt):
         train_dirichlet_fvi("timm:resnet18", train, None, DirichletFVIConfig(), CPU)
     with pytest.raises(BayescliError):
         parse_model_kwargs("hidden")
+
+
+def test_select_warns_when_the_chosen_tau_is_an_edge_of_the_grid():
+    from bayescli.posterior.vi.dirichlet_fvi import _selection
+
+    cfg = DirichletFVIConfig(select=True)
+    points = [(0.1, 0.3), (0.3, 0.4), (1.0, 0.5), (3.0, 0.6), (10.0, 0.7)]
+    curve = [{"tau": t, "val_nll": v} for t, v in points]
+    low = _selection(cfg, curve, 0.1)
+    assert "smallest" in low["warning"] and "--tau" in low["warning"]
+    assert "largest" in _selection(cfg, curve, 10.0)["warning"]
+    assert "warning" not in _selection(cfg, curve, 1.0)
+    assert "warning" not in _selection(DirichletFVIConfig(), [], 1.0)  # no search, nothing to say

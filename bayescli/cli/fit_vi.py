@@ -190,6 +190,10 @@ def fit_vi_cmd(
     post = vi_method(method).fit(loaded, fit_data, val, cfg, dev, batch_size)
     c.record_provenance(post, loaded, fit_data)
     post.save(out)
+    # selection and prior searches leave a "warning" in their metadata block (e.g. an edge of the grid)
+    warnings = [v["warning"] for v in post.meta.values() if isinstance(v, dict) and v.get("warning")]
+    for warning in warnings:
+        c.warn(warning)
     summary = {
         "posterior": str(out),
         "method": method.value,
@@ -197,6 +201,7 @@ def fit_vi_cmd(
         **post.summary(),
         "fit_seconds": post.meta.get("fit_seconds"),
         "preprocess": loaded.preprocess.source,
+        "warnings": warnings,
     }
     c.show(
         quiet,

@@ -752,7 +752,7 @@ def _taus(cfg: DirichletFVIConfig, num_classes: int, val: ArrayData | None) -> l
     return [base * f for f in TAU_GRID]
 
 
-def _selection(cfg: DirichletFVIConfig, curve: list[dict]) -> dict:
+def _selection(cfg: DirichletFVIConfig, curve: list[dict], chosen: float) -> dict:
     rule = "1 for K <= 10, 0.1 for K <= 100, 10/K beyond"
     out = {
         "method": "val-nll" if cfg.select else ("fixed" if cfg.tau is not None else "default"),
@@ -760,6 +760,15 @@ def _selection(cfg: DirichletFVIConfig, curve: list[dict]) -> dict:
     }
     if cfg.select:
         out |= {"grid_factors": list(TAU_GRID), "curve": curve}
+        taus = [row["tau"] for row in curve]
+        if chosen in (min(taus), max(taus)):
+            # The rule assumes N ≈ 60,000 (the effective KL weight is τ·B/N): small fitting sets
+            # often want a τ below the grid.
+            side, toward = ("smallest", "smaller") if chosen == min(taus) else ("largest", "larger")
+            out["warning"] = (
+                f"τ = {chosen:.3g} is the {side} value tried ({min(taus):.3g}–{max(taus):.3g}); the "
+                f"validation NLL may improve further at a {toward} τ: pass --tau (≈ N/60,000 for K ≤ 10)"
+            )
     return out
 
 
@@ -861,7 +870,7 @@ def fit_dirichlet_fvi(
         best = post
     best.meta |= {
         "config": asdict(cfg),
-        "tau_selection": _selection(cfg, curve),
+        "tau_selection": _selection(cfg, curve, best.tau),
         "index_data": cfg.index_data,
         "fit_seconds": time.perf_counter() - start_time,
         "feature_seconds": feats.seconds,
@@ -977,7 +986,7 @@ def train_dirichlet_fvi(
     clf, post = best
     post.meta |= {
         "config": asdict(cfg),
-        "tau_selection": _selection(cfg, curve),
+        "tau_selection": _selection(cfg, curve, post.tau),
         "index_data": cfg.index_data,
         "fit_seconds": time.perf_counter() - start_time,
     }
