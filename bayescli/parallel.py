@@ -106,6 +106,12 @@ def shard(n: int, w: World | None = None, align: int = 1) -> range:
     return range(min(w.rank * blocks // w.size * align, n), min((w.rank + 1) * blocks // w.size * align, n))
 
 
+def local_rows(n: int, align: int = 1) -> torch.Tensor:
+    """This process's rows of ``n`` (:func:`shard`) as an index tensor, for ``Data.subset``."""
+    rows = shard(n, align=align)
+    return torch.arange(rows.start, rows.stop)
+
+
 def _comm_device() -> torch.device:
     """NCCL communicates CUDA tensors, Gloo CPU ones."""
     if dist.get_backend() == "nccl":

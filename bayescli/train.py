@@ -85,23 +85,40 @@ def train_classifier(
             total += loss.item() * len(yb)
         losses.append(total / len(train))
     clf.eval()
-    meta = {
+    return clf, checkpoint_metadata(spec, clf, train, val, device, (mean, std), asdict(cfg), losses)
+
+
+def checkpoint_metadata(
+    spec: ModelSpec,
+    clf: Classifier,
+    train: Data,
+    val: Data | None,
+    device: torch.device,
+    normalisation: tuple[list[float], list[float]],
+    training: dict,
+    train_loss: list[float],
+    model_kwargs: dict | None = None,
+) -> dict:
+    """The header of a checkpoint that ``bayescli train`` writes (every ``--method``): the model,
+    its input normalisation ``(mean, std)``, the data, the training settings and loss curve, and
+    the trained network's accuracy on ``train`` and on labelled ``val``."""
+    mean, std = normalisation
+    return {
         "format": "bayescli-checkpoint",
         "format_version": 1,
         "bayescli_version": __version__,
         "model": str(spec),
-        "model_kwargs": {},
+        "model_kwargs": model_kwargs or {},
         "input_shape": list(train.input_shape),
-        "num_classes": k,
+        "num_classes": train.num_classes,
         "class_names": train.class_names,
         "normalisation": {"mean": mean, "std": std},
         "data": train.info,
-        "training": asdict(cfg),
-        "train_loss": losses,
+        "training": training,
+        "train_loss": train_loss,
         "train_accuracy": accuracy(clf, train, device),
         "val_accuracy": accuracy(clf, val, device) if val is not None and val.y is not None else None,
     }
-    return clf, meta
 
 
 def save_checkpoint(path: str | Path, classifier: Classifier, metadata: dict) -> None:

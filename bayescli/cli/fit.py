@@ -109,8 +109,7 @@ def fit_laplace_cmd(
             raise BayescliError(
                 "under torchrun only last-layer fits without --refine-mode are sharded; run one process"
             )
-        rows = parallel.shard(len(fit_data), world)
-        fit_data = fit_data.subset(torch.arange(rows.start, rows.stop))
+        fit_data = fit_data.subset(parallel.local_rows(len(fit_data)))
         if feature_cache is not None:  # each process caches its own shard
             feature_cache = feature_cache.with_name(
                 f"{feature_cache.name}.rank{world.rank}-of-{world.size}"

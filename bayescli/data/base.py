@@ -56,8 +56,12 @@ class Source(ABC):
     def __len__(self) -> int: ...
 
     def load(self, row: int) -> torch.Tensor:
-        """Item ``row`` as float ``shape``; raises :class:`UnreadableItem` if it cannot be read."""
-        raise NotImplementedError
+        """Item ``row`` as float ``shape``; raises :class:`UnreadableItem` if it cannot be read.
+
+        A source implements this (one item at a time) or overrides :meth:`load_many` (whole batches,
+        e.g. memory-mapped arrays); the default :meth:`load_many` calls this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads whole batches through load_many")
 
     def load_many(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, str, str]]]:
         """Items ``rows`` stacked ``[B', *shape]``, the rows kept and ``(row, path, reason)`` of the rest."""

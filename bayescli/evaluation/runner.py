@@ -112,8 +112,7 @@ class Evaluator:
         if world.distributed:
             # Batch-aligned shards: each process reads the batches one process would, so seeded
             # per-batch shifts (noise corruptions) draw the same numbers.
-            rows = parallel.shard(len(data), world, align=self.cfg.batch_size)
-            local = data.subset(torch.arange(rows.start, rows.stop))
+            local = data.subset(parallel.local_rows(len(data), align=self.cfg.batch_size))
         attack_before = self.timings["attack"]
         outs = {}
         with parallel.together():  # an error on any process (say, an unreadable file) ends all

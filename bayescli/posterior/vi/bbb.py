@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bayescli._version import __version__
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError, require
 from bayescli.metrics import nll
@@ -37,7 +36,7 @@ from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.prior import edge_warning
 from bayescli.posterior.vi.glm_vi import SELECT_GRID, _as_float, network_logits
 from bayescli.progress import track
-from bayescli.train import accuracy, channel_stats
+from bayescli.train import channel_stats, checkpoint_metadata
 
 
 @dataclass
@@ -392,22 +391,6 @@ def train_bbb(
             p.copy_(post.mean[offset : offset + p.numel()].reshape(p.shape))
             offset += p.numel()
     clf.eval()
-    meta = {
-        "format": "bayescli-checkpoint",
-        "format_version": 1,
-        "bayescli_version": __version__,
-        "model": str(spec),
-        "model_kwargs": {},
-        "input_shape": list(train.input_shape),
-        "num_classes": train.num_classes,
-        "class_names": train.class_names,
-        "normalisation": {"mean": mean, "std": std},
-        "data": train.info,
-        "training": {"method": "bbb", **asdict(cfg)},
-        "train_loss": post.meta["vi"]["objective"],
-        "train_accuracy": accuracy(clf, train, torch.device("cpu")),
-        "val_accuracy": accuracy(clf, val, torch.device("cpu"))
-        if val is not None and val.y is not None
-        else None,
-    }
+    training, loss = {"method": "bbb", **asdict(cfg)}, post.meta["vi"]["objective"]
+    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), (mean, std), training, loss)
     return clf, meta, post

@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from bayescli._version import __version__
 from bayescli.data import ArrayData, Data, load_data
 from bayescli.data.shifts import SYNTHETIC_OOD, parse_angles, rotate, synthetic_ood
 from bayescli.dirichlet import dirichlet_to_gaussian, dirichlet_to_gaussian_diag, fit_precision
@@ -66,7 +65,7 @@ from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.progress import track
-from bayescli.train import accuracy, channel_stats
+from bayescli.train import channel_stats, checkpoint_metadata
 
 FAMILIES = ("ensemble", "mfvi", "map", "dropout")
 GAMMA = 1e-4  # label smoothing inside the KL [000:F]
@@ -991,22 +990,9 @@ def train_dirichlet_fvi(
         "fit_seconds": time.perf_counter() - start_time,
     }
     history = post.meta["history"]
-    meta = {
-        "format": "bayescli-checkpoint",
-        "format_version": 1,
-        "bayescli_version": __version__,
-        "model": str(spec),
-        "model_kwargs": kwargs,
-        "input_shape": list(train.input_shape),
-        "num_classes": k,
-        "class_names": train.class_names,
-        "normalisation": {"mean": norm_mean, "std": norm_std},
-        "data": train.info,
-        "training": {"method": "dirichlet-fvi", **asdict(cfg), "tau": post.tau},
-        "train_loss": [h["loss"] for h in history],
-        "train_accuracy": accuracy(clf, train, device),
-        "val_accuracy": accuracy(clf, val, device) if val is not None and val.y is not None else None,
-    }
+    training = {"method": "dirichlet-fvi", **asdict(cfg), "tau": post.tau}
+    loss = [h["loss"] for h in history]
+    meta = checkpoint_metadata(spec, clf, train, val, device, (norm_mean, norm_std), training, loss, kwargs)
     if cfg.family == "ensemble":
         meta["ensemble_member"] = 0  # the checkpoint holds member 0; the posterior holds all
     return clf, meta, post

@@ -55,7 +55,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayescli._version import __version__
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError, require
 from bayescli.features import extract_features
@@ -67,7 +66,7 @@ from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import head_parameters
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
-from bayescli.train import accuracy, channel_stats
+from bayescli.train import channel_stats, checkpoint_metadata
 
 JITTER = 1e-6  # relative to mean diag(K_p) (FSVI-code uses an absolute 1e-6; VI-SPEC B6.6)
 # What 0 means for these FSVIConfig fields, per mode.
@@ -937,24 +936,10 @@ def train_fsvi(
         post.meta["selection"] = {"grid": list(grid), "curve": selection, "criterion": "val_nll"}
     clf = clf.cpu()
     post.mean, post.var = post.mean.cpu(), post.var.cpu()
-    meta = {
-        "format": "bayescli-checkpoint",
-        "format_version": 1,
-        "bayescli_version": __version__,
-        "model": str(spec),
-        "model_kwargs": {},
-        "input_shape": list(train.input_shape),
-        "num_classes": train.num_classes,
-        "class_names": train.class_names,
-        "normalisation": {"mean": clf.mean.tolist(), "std": clf.std.tolist()},
-        "data": train.info,
-        "training": {"method": "fsvi", **post.hyperparameters},
-        "train_loss": [row["objective"] for row in curve],
-        "train_accuracy": accuracy(clf, train, torch.device("cpu")),
-        "val_accuracy": accuracy(clf, val, torch.device("cpu"))
-        if val is not None and val.y is not None
-        else None,
-    }
+    normalisation = (clf.mean.tolist(), clf.std.tolist())
+    training = {"method": "fsvi", **post.hyperparameters}
+    loss = [row["objective"] for row in curve]
+    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), normalisation, training, loss)
     return clf, meta, post
 
 

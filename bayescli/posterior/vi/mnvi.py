@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayescli._version import __version__
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError, require
 from bayescli.features import extract_features
@@ -40,7 +39,7 @@ from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.vi.moments import MomentPropagator
 from bayescli.progress import track
-from bayescli.train import accuracy, channel_stats
+from bayescli.train import channel_stats, checkpoint_metadata
 
 KL_EPS = 1e-10  # inside the KL's logarithm [002:App A]
 VARIANTS = ("noise-only", "mean-and-noise")
@@ -728,21 +727,9 @@ def train_mnvi(
     post = _select(cfg, True, len(train), 0.0, run, val_nll if val is not None else None)
     clf = post._cache.pop("clf")
     post.meta["fit_seconds"] = time.perf_counter() - start
-    meta = {
-        "format": "bayescli-checkpoint",
-        "format_version": 1,
-        "bayescli_version": __version__,
-        "model": str(spec),
-        "model_kwargs": {},
-        "input_shape": list(train.input_shape),
-        "num_classes": k,
-        "class_names": train.class_names,
-        "normalisation": {"mean": mean, "std": std},
-        "data": train.info,
-        "training": {"method": "mnvi", **post.config},
-        "train_loss": [c["objective"] for c in post.meta["curve"]],
-        "train_accuracy": accuracy(clf, train, device),
-        "val_accuracy": accuracy(clf, val, device) if val is not None else None,
-        "mnvi": {k: post.meta[k] for k in ("curve", "fit_seconds", "val_nll", "selection") if k in post.meta},
-    }
+    training = {"method": "mnvi", **post.config}
+    loss = [c["objective"] for c in post.meta["curve"]]
+    meta = checkpoint_metadata(spec, clf, train, val, device, (mean, std), training, loss)
+    kept = ("curve", "fit_seconds", "val_nll", "selection")
+    meta["mnvi"] = {k: post.meta[k] for k in kept if k in post.meta}
     return clf, meta, post
