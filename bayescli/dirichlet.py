@@ -38,8 +38,7 @@ def correct(
     total = rowsum.sum(-1, keepdim=True)  # 1ᵀΣ1
     # A Σ with 1ᵀΣ1 ≈ 0 (e.g. eq. 6's) already lives on the zero-sum subspace: nothing to do.
     degenerate = total <= 1e-12 * var.sum(-1, keepdim=True)
-    if bool(degenerate.any()):
-        total = total.masked_fill(degenerate, math.inf)
+    total = total.masked_fill(degenerate, math.inf)  # unconditionally: no host read per chunk
     mu = torch.addcmul(mu, rowsum, mu.sum(-1, keepdim=True) / total, value=-1)
     var = torch.addcmul(var, rowsum, rowsum / total, value=-1)
     if correction is BridgeCorrection.NORM:
@@ -60,10 +59,17 @@ def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     t = mu + (torch.logsumexp(-mu, dim=-1, keepdim=True) - 2 * math.log(k))
     const = 1 - 2 / k
     var = var.clamp_min(1e-300)
-    if float(t.max()) < 700:  # e^t is finite: the direct form is exact and cheapest
+    # Where e^t is finite (t < 700) the direct form is exact and cheapest. On the CPU one look at
+    # max t picks the form for the whole block; on a GPU that look would stall the queue, so
+    # both forms are evaluated and merged elementwise (a few more passes over [N, K]).
+    on_host = t.device.type == "cpu"
+    if on_host and float(t.max()) < 700:
         return t.exp_().add_(const).div_(var)
     log_bracket = t if const == 0 else torch.logaddexp(t, torch.full_like(t, math.log(const)))
-    return torch.exp(log_bracket - var.log())
+    log_form = torch.exp(log_bracket - var.log())
+    if on_host:
+        return log_form
+    return torch.where(t < 700, t.clamp(max=700).exp().add_(const).div_(var), log_form)
 
 
 def laplace_bridge(

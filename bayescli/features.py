@@ -1,7 +1,9 @@
 """Penultimate features ``φ(x)`` and logits, streamed batch by batch, with an optional sharded cache.
 
 The backbone runs once per input set; everything downstream (curvature, predictives, links)
-works on the features. :class:`FeatureStream` yields them batch by batch (fitting consumes them
+works on the features, which stay on the backbone's device (a GPU keeps them; nothing goes back
+to the host per batch: the finiteness check and the MAP-accuracy count are summed on the device
+and read once at the end of a pass). :class:`FeatureStream` yields them batch by batch (fitting consumes them
 so, and never holds them all); :func:`extract_features` collects one pass into :class:`Features`
 for the commands that need every score at once (predict, evaluate). A cache is a directory of
 safetensors shards written while the batches stream and read back the same way, keyed by the
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bayescli.data import Data
+from bayescli.devices import synchronize
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
 from bayescli.models import LoadedModel
@@ -34,7 +37,8 @@ SHARD_BYTES = 64 * 2**20  # rows of φ and logits buffered before a shard is wri
 
 @dataclass
 class Features:
-    """``phi [N, D]``, MAP ``logits [N, K]`` and ``labels [N]`` (or ``None``), on the CPU."""
+    """``phi [N, D]``, MAP ``logits [N, K]`` and ``labels [N]`` (or ``None``), on the device of the
+    pass that produced them."""
 
     phi: torch.Tensor
     logits: torch.Tensor
@@ -43,19 +47,6 @@ class Features:
 
     def __len__(self) -> int:
         return int(self.phi.shape[0])
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` → CUDA when available, else CPU; otherwise ``cpu``/``cuda``/``cuda:i``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise BayescliError(f"unknown device '{device}'; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BayescliError(f"device {device} requested but CUDA is not available; use --device cpu")
-    return dev
 
 
 def check_input_shape(model: LoadedModel, data: Data) -> None:
@@ -76,7 +67,7 @@ def cache_key(model: LoadedModel, data: Data) -> str:
 
 @dataclass
 class FeatureBatch:
-    """One batch: ``phi [B, D]``, MAP ``logits [B, K]``, ``labels [B]`` or ``None`` (CPU)."""
+    """One batch: ``phi [B, D]``, MAP ``logits [B, K]``, ``labels [B]`` or ``None`` (on the device)."""
 
     phi: torch.Tensor
     logits: torch.Tensor
@@ -107,12 +98,13 @@ class _ShardWriter:
     def _flush(self) -> None:
         if not self.buffer:
             return
+        # the one place features leave the device: a shard written to disk (~64 MiB at a time)
         tensors = {
-            "phi": torch.cat([b.phi for b in self.buffer]),
-            "logits": torch.cat([b.logits for b in self.buffer]),
+            "phi": torch.cat([b.phi for b in self.buffer]).cpu(),
+            "logits": torch.cat([b.logits for b in self.buffer]).cpu(),
         }
         if self.buffer[0].labels is not None:
-            tensors["labels"] = torch.cat([b.labels for b in self.buffer])
+            tensors["labels"] = torch.cat([b.labels for b in self.buffer]).cpu()
         name = f"shard-{len(self.shards):05d}.safetensors"
         save_tensors(self.tmp / name, tensors, {})
         self.shards.append(name)
@@ -142,8 +134,10 @@ class FeatureStream:
 
     Each pass counts the inputs (``n``), MAP-correct predictions (``correct``, labelled data) and
     the seconds spent producing the batches (``seconds``; zero when read from the cache). The first
-    batch verifies that ``head(features(x))`` reproduces the full forward pass. Memory: one batch
-    (plus one cache shard of ≤ ``SHARD_BYTES`` when writing a cache).
+    batch verifies that ``head(features(x))`` reproduces the full forward pass; a non-finite
+    feature anywhere ends the pass with an error after its last batch (checked on the device, read
+    once). Batches are on ``device``, cached ones included. Memory: one batch (plus one cache shard
+    of ≤ ``SHARD_BYTES`` when writing a cache).
     """
 
     def __init__(
@@ -158,7 +152,17 @@ class FeatureStream:
         self.device = torch.device(device)
         self.cache = Path(cache) if cache is not None else None
         self.key = cache_key(model, data)
-        self.n, self.correct, self.seconds, self.labelled = 0, 0, 0.0, True
+        self._start()
+
+    def _start(self) -> None:
+        self.n, self.seconds, self.labelled = 0, 0.0, True
+        self._correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._finite = torch.ones((), dtype=torch.bool, device=self.device)
+
+    @property
+    def correct(self) -> int:
+        """MAP-correct predictions over the last pass (labelled data)."""
+        return int(self._correct)
 
     @property
     def accuracy(self) -> float | None:
@@ -167,13 +171,20 @@ class FeatureStream:
 
     def _count(self, batch: FeatureBatch) -> None:
         self.n += len(batch.phi)
+        self._finite &= torch.isfinite(batch.phi).all()
         if batch.labels is None:
             self.labelled = False
         else:
-            self.correct += int((batch.logits.argmax(1) == batch.labels).sum())
+            self._correct += (batch.logits.argmax(1) == batch.labels).sum()
+
+    def _check_finite(self) -> None:
+        if not bool(self._finite):
+            raise BayescliError(
+                f"{self.model.spec} produced non-finite features on {self.data.spec}; check the checkpoint"
+            )
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        self.n, self.correct, self.seconds, self.labelled = 0, 0, 0.0, True
+        self._start()
         manifest = _read_manifest(self.cache) if self.cache is not None else None
         if (
             manifest is not None
@@ -187,11 +198,16 @@ class FeatureStream:
     def _read(self, manifest: dict) -> Iterator[FeatureBatch]:
         bad = manifest.get("unreadable_rows") or {}
         self.data.source.unreadable.update({int(r): tuple(v) for r, v in bad.items()})
+        dev = self.device
         for name in manifest["shards"]:
             tensors, _ = load_tensors(self.cache / name)
-            batch = FeatureBatch(tensors["phi"], tensors["logits"], tensors.get("labels"))
+            labels = tensors.get("labels")
+            batch = FeatureBatch(
+                tensors["phi"].to(dev), tensors["logits"].to(dev), None if labels is None else labels.to(dev)
+            )
             self._count(batch)
             yield batch
+        self._check_finite()
         if bad:
             self.data.info["unreadable"] = manifest["unreadable"]
 
@@ -219,10 +235,8 @@ class FeatureStream:
                         ) from None
                 with torch.inference_mode():
                     phi = clf.features(xb)
-                    batch = FeatureBatch(phi.float().cpu(), clf.head(phi).float().cpu(), yb)
-                if not torch.isfinite(batch.phi).all():
-                    raise BayescliError(
-                        f"{self.model.spec} produced non-finite features on {data.spec}; check the checkpoint"
+                    batch = FeatureBatch(
+                        phi.float(), clf.head(phi).float(), None if yb is None else yb.to(dev)
                     )
                 self._count(batch)
                 if writer is not None:
@@ -230,9 +244,9 @@ class FeatureStream:
                 self.seconds += time.perf_counter() - start
                 yield batch
                 start = time.perf_counter()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            synchronize(dev)
             self.seconds += time.perf_counter() - start
+            self._check_finite()
             if writer is not None:
                 skipped = {str(r): list(v) for r, v in data.unreadable.items()}
                 writer.commit({"unreadable_rows": skipped, "unreadable": data.info.get("unreadable")})

@@ -6,6 +6,9 @@ ECE uses 15 equal-width bins of the top-label confidence, right-closed ``(lo, hi
 confidence 1.0 in the last bin; MCE is the largest bin gap of the same bins; adaptive ECE uses
 15 equal-mass bins; classwise ECE bins each class's probability the same way and averages the
 classes' ECEs; MMC is the mean max probability; entropy is in nats.
+
+Every metric runs on the device of ``probs`` (labels are moved there); only its scalar result
+comes back to the host.
 """
 
 from __future__ import annotations
@@ -29,18 +32,18 @@ PROTOCOL = {
 
 def accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of inputs whose arg-max class is the label."""
-    return (probs.argmax(-1) == y).double().mean().item()
+    return (probs.argmax(-1) == y.to(probs.device)).double().mean().item()
 
 
 def nll(probs: torch.Tensor, y: torch.Tensor) -> float:
     """Mean negative log-likelihood of the labels."""
-    p = probs.double().gather(1, y.view(-1, 1)).clamp_min(1e-12)
+    p = probs.double().gather(1, y.to(probs.device).view(-1, 1)).clamp_min(1e-12)
     return -p.log().mean().item()
 
 
 def brier(probs: torch.Tensor, y: torch.Tensor) -> float:
     """Σ_k (p_k − 1[y=k])², averaged over inputs (range [0, 2])."""
-    onehot = torch.nn.functional.one_hot(y, probs.shape[-1]).double()
+    onehot = torch.nn.functional.one_hot(y.to(probs.device), probs.shape[-1]).double()
     return (probs.double() - onehot).pow(2).sum(-1).mean().item()
 
 
@@ -59,9 +62,9 @@ def _bins(probs: torch.Tensor, y: torch.Tensor, bins: int) -> tuple[torch.Tensor
     """Per-bin count, summed correctness and summed confidence ``([B], [B], [B])``."""
     conf, pred = probs.double().max(-1)
     idx = (torch.ceil(conf * bins) - 1).clamp(0, bins - 1).long()
-    zeros = torch.zeros(bins, dtype=torch.float64)
+    zeros = conf.new_zeros(bins)
     count = zeros.index_add(0, idx, torch.ones_like(conf))
-    correct = zeros.index_add(0, idx, (pred == y).double())
+    correct = zeros.index_add(0, idx, (pred == y.to(pred.device)).double())
     confidence = zeros.index_add(0, idx, conf)
     return count, correct, confidence
 
@@ -84,13 +87,12 @@ def adaptive_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> 
     groups whose sizes differ by at most one (the first ``N mod bins`` get the extra input)."""
     conf, pred = probs.double().max(-1)
     order = conf.argsort(stable=True)
-    hit = (pred == y).double()[order]
+    hit = (pred == y.to(pred.device)).double()[order]
     conf = conf[order]
-    total = 0.0
+    total = conf.new_zeros(())
     for part_conf, part_hit in zip(conf.tensor_split(bins), hit.tensor_split(bins), strict=True):
-        if len(part_conf):
-            total += (part_hit.sum() - part_conf.sum()).abs().item()
-    return total / len(y)
+        total += (part_hit.sum() - part_conf.sum()).abs()  # an empty part adds 0
+    return total.item() / len(y)
 
 
 def classwise_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> float:
@@ -98,9 +100,9 @@ def classwise_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) ->
     probability ``p_k`` against the indicator ``1[y = k]`` over all inputs; mean over classes."""
     p = probs.double()
     n, k = p.shape
-    idx = (torch.ceil(p * bins) - 1).clamp(0, bins - 1).long() + bins * torch.arange(k)  # [N, K]
-    onehot = torch.nn.functional.one_hot(y, k).double()
-    zeros = torch.zeros(k * bins, dtype=torch.float64)
+    idx = (torch.ceil(p * bins) - 1).clamp(0, bins - 1).long() + bins * torch.arange(k, device=p.device)
+    onehot = torch.nn.functional.one_hot(y.to(p.device), k).double()
+    zeros = p.new_zeros(k * bins)
     gap = zeros.index_add(0, idx.reshape(-1), (onehot - p).reshape(-1))  # Σ_bin (1[y=k] − p_k)
     return (gap.abs().sum() / (n * k)).item()
 
@@ -136,36 +138,69 @@ def selective(
     """Accuracy on the most confident fraction of inputs, and the area under the risk–coverage
     curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better)."""
     conf, pred = probs.double().max(-1)
-    correct = (pred == y).double()[conf.argsort(descending=True)]
+    correct = (pred == y.to(pred.device)).double()[conf.argsort(descending=True)]
     n = len(correct)
-    cum_acc = correct.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64)
-    out = {
-        f"accuracy_at_{int(round(100 * c))}": cum_acc[max(1, math.ceil(c * n)) - 1].item() for c in coverages
-    }
-    out["aurc"] = (1 - cum_acc).mean().item()
+    cum_acc = correct.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64, device=correct.device)
+    picks = [cum_acc[max(1, math.ceil(c * n)) - 1] for c in coverages]
+    values = torch.stack([*picks, (1 - cum_acc).mean()]).tolist()
+    out = {f"accuracy_at_{int(round(100 * c))}": v for c, v in zip(coverages, values, strict=False)}
+    out["aurc"] = values[-1]
     return out
+
+
+def _threshold_counts(score: torch.Tensor, positive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """True and false positives ``([T], [T])`` when every input scoring ≥ each distinct score is
+    called positive, thresholds from the highest score down (tied scores form one threshold)."""
+    order = score.argsort(descending=True, stable=True)
+    s, hit = score[order], positive[order].double()
+    last = torch.cat([torch.nonzero(s[1:] != s[:-1]).squeeze(1), s.new_tensor([len(s) - 1]).long()])
+    tps = hit.cumsum(0)[last]
+    return tps, (last + 1).double() - tps
+
+
+def _average_precision(tps: torch.Tensor, fps: torch.Tensor) -> torch.Tensor:
+    """``Σ_t (R_t − R_{t−1}) P_t`` over the thresholds (scikit-learn's step-wise definition)."""
+    recall = tps / tps[-1]
+    precision = tps / (tps + fps)
+    return (torch.diff(recall, prepend=recall.new_zeros(1)) * precision).sum()
 
 
 def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: int = 101) -> dict:
     """Detection of OOD inputs by a score where *higher means in-distribution*.
 
     In-distribution is the positive class: AUROC, AUPR-in (average precision, in positive),
-    AUPR-out (out positive, score negated), FPR at 95% TPR, and a down-sampled ROC curve.
+    AUPR-out (out positive, score negated), FPR at 95% TPR, and a down-sampled ROC curve. The
+    definitions are scikit-learn's (``roc_curve`` with its collinear points dropped,
+    ``roc_auc_score``, ``average_precision_score``), computed on the scores' device.
     """
-    from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
-
-    s = torch.cat([score_in, score_out]).double().numpy()
-    label = torch.cat([torch.ones(len(score_in)), torch.zeros(len(score_out))]).numpy()
-    fpr, tpr, _ = roc_curve(label, s)
-    keep = sorted(
+    s = torch.cat([score_in.double(), score_out.to(score_in.device).double()])
+    positive = torch.cat(
+        [torch.ones_like(score_in, dtype=torch.bool), torch.zeros_like(score_out, dtype=torch.bool)]
+    )
+    tps, fps = _threshold_counts(s, positive)
+    aupr_in = _average_precision(tps, fps)
+    aupr_out = _average_precision(*_threshold_counts(-s, ~positive))
+    # a point is kept where the curve bends (scikit-learn's drop_intermediate); (0, 0) first
+    bend = torch.logical_or(torch.diff(fps, 2) != 0, torch.diff(tps, 2) != 0)
+    keep = (
+        torch.cat([bend.new_ones(1), bend, bend.new_ones(1)]) if len(tps) > 2 else torch.ones_like(tps).bool()
+    )
+    zero = tps.new_zeros(1)
+    fpr = torch.cat([zero, fps[keep]]) / fps[-1]
+    tpr = torch.cat([zero, tps[keep]]) / tps[-1]
+    auroc = torch.trapezoid(tpr, fpr)
+    fpr95 = fpr[torch.nonzero(tpr >= 0.95)[0, 0]]
+    auroc, aupr_in, aupr_out, fpr95 = torch.stack([auroc, aupr_in, aupr_out, fpr95]).tolist()
+    fpr, tpr = fpr.tolist(), tpr.tolist()
+    picks = sorted(
         {int(round(i)) for i in torch.linspace(0, len(fpr) - 1, min(curve_points, len(fpr))).tolist()}
     )
     return {
-        "auroc": float(roc_auc_score(label, s)),
-        "aupr_in": float(average_precision_score(label, s)),
-        "aupr_out": float(average_precision_score(1 - label, -s)),
-        "fpr95": float(fpr[(tpr >= 0.95).argmax()]),
-        "roc": {"fpr": [float(fpr[i]) for i in keep], "tpr": [float(tpr[i]) for i in keep]},
+        "auroc": auroc,
+        "aupr_in": aupr_in,
+        "aupr_out": aupr_out,
+        "fpr95": fpr95,
+        "roc": {"fpr": [fpr[i] for i in picks], "tpr": [tpr[i] for i in picks]},
     }
 
 

@@ -9,13 +9,18 @@ from collections.abc import Callable
 import torch
 
 
-def best_of(fn: Callable[[], object], repeat: int = 5) -> float:
-    """Best wall time of ``repeat`` calls after one warm-up (seconds)."""
+def best_of(fn: Callable[[], object], repeat: int = 5, device: torch.device | str = "cpu") -> float:
+    """Best wall time of ``repeat`` calls after one warm-up (seconds); on a GPU each call is timed
+    from an idle queue to an idle queue."""
+    from bayescli.devices import synchronize
+
     fn()
     times = []
     for _ in range(repeat):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
 

@@ -5,7 +5,8 @@ Synthetic post-ReLU features, N_train = 20,000 and N_test = 10,000, for D→K in
 memory is its own. At 256→100 the predictive is also timed against laplace-torch's last-layer
 kron GLM predictive (installed only for this benchmark, see ``laplace_torch_env``).
 
-Run: ``python benchmarks/heads.py`` (or ``make bench``).
+Run: ``python benchmarks/heads.py [--device cuda]`` (or ``make bench``). On a GPU every tensor,
+the fit and the predictive live on the device (peak memory is then the device's).
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def problem(
     return phi[:N_TRAIN], phi[N_TRAIN:], labels, head
 
 
-def run_config(d: int, k: int) -> dict:
-    train, test, labels, head = problem(d, k)
+def run_config(d: int, k: int, device: str = "cpu") -> dict:
+    dev = torch.device(device)
+    train, test, labels, head = (t.to(dev) for t in problem(d, k))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     with torch.no_grad():
-        fwd_train = best_of(lambda: head(train))
-        fwd_test = best_of(lambda: head(test))
+        fwd_train = best_of(lambda: head(train), device=dev)
+        fwd_test = best_of(lambda: head(test), device=dev)
     out = {"D": d, "K": k, "forward_train_s": fwd_train, "forward_test_s": fwd_test}
     for structure in ("diag", "kron"):
 
@@ -68,11 +72,17 @@ def run_config(d: int, k: int) -> dict:
             post.optimise_prior_marglik()
             return post
 
-        out[f"fit_{structure}_s"] = best_of(fit, repeat=2)
+        out[f"fit_{structure}_s"] = best_of(fit, repeat=2, device=dev)
         post = fit()
-        out[f"glm_probit_{structure}_s"] = best_of(lambda post=post: probit(post.logit_gaussian(test)))
-        out[f"glm_bridge_{structure}_s"] = best_of(lambda post=post: bridge(post.logit_gaussian(test)))
-    out["peak_rss_gib"] = peak_rss_gib()
+        out[f"glm_probit_{structure}_s"] = best_of(
+            lambda post=post: probit(post.logit_gaussian(test)), device=dev
+        )
+        out[f"glm_bridge_{structure}_s"] = best_of(
+            lambda post=post: bridge(post.logit_gaussian(test)), device=dev
+        )
+    out["peak_rss_gib"] = (
+        torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else peak_rss_gib()
+    )
     return out
 
 
@@ -118,8 +128,9 @@ def child(args: list[str], pythonpath: Path | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    print(f"# head scaling: N_train={N_TRAIN}, N_test={N_TEST}, {setup_threads()}")
+def main(device: str = "cpu") -> None:
+    where = f"on {device}" if device != "cpu" else setup_threads()
+    print(f"# head scaling: N_train={N_TRAIN}, N_test={N_TEST}, {where}")
     header = (
         "D→K",
         "fwd(test) ms",
@@ -132,7 +143,7 @@ def main() -> None:
     )
     print(" | ".join(header))
     for d, k in CONFIGS:
-        r = child(["--config", str(d), str(k)])
+        r = child(["--config", str(d), str(k), device])
         if "error" in r:
             print(f"{d}→{k} | error: {r['error']}")
             continue
@@ -151,6 +162,8 @@ def main() -> None:
             )
         )
     print("targets (2048→1000): fit kron ≤ 15×, predictive ≤ 6×, peak ≤ 3 GiB")
+    if device != "cpu":
+        return  # the laplace-torch comparison is a CPU measurement
     lt = laplace_torch_env()
     if lt is None:
         print("laplace-torch: could not be installed here; comparison skipped")
@@ -168,8 +181,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--config":
-        print(json.dumps(run_config(int(sys.argv[2]), int(sys.argv[3]))))
+        print(json.dumps(run_config(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
     elif len(sys.argv) > 1 and sys.argv[1] == "--laplace-torch":
         print(json.dumps(run_laplace_torch()))
     else:
-        main()
+        main(sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--device" else "cpu")

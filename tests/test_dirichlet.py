@@ -37,6 +37,37 @@ def test_bridge_survives_logits_that_break_the_direct_formula():
     assert torch.isfinite(laplace_bridge(big, torch.ones(1, 3), "none")).all()
 
 
+def _eq7_by_logs(mu: list[float], var: list[float]) -> list[float]:
+    """Eq. 7 element by element in Python floats, through logs: e^{μ_k} Σ_l e^{−μ_l} / (K² Σ_kk) =
+    exp(μ_k + log Σ_l e^{−μ_l} − 2 log K − log Σ_kk) stays finite while α does."""
+    k, m = len(mu), max(-v for v in mu)
+    lse = m + math.log(math.fsum(math.exp(-v - m) for v in mu))
+    return [
+        math.exp(u + lse - 2 * math.log(k) - math.log(s)) + (1 - 2 / k) / s
+        for u, s in zip(mu, var, strict=True)
+    ]
+
+
+def test_bridge_where_e_to_the_t_overflows_on_host_and_device():
+    # Row 0: t₀ = μ₀ + log Σ e^{−μ} − 2 log K ≈ 718 > 709.8, so e^{t₀} overflows float64 while
+    # α₀ = e^{t₀}/Σ₀₀ ≈ 1e301 does not (the log form); row 1 is ordinary (the direct form). On a
+    # GPU the form is chosen per element (no look at max t): the same values, nothing read back.
+    from emulated_cuda import emulated_cuda
+
+    mu = torch.tensor([[720.0, 0.0, 5.0], [1.0, -2.0, 0.5]], dtype=torch.float64)
+    var = torch.tensor([[1e10, 1.0, 1.0], [0.3, 0.2, 1.5]], dtype=torch.float64)
+    expected = torch.tensor(
+        [_eq7_by_logs(m, v) for m, v in zip(mu.tolist(), var.tolist(), strict=True)], dtype=torch.float64
+    )
+    assert_close(bridge_alpha(mu, var), expected, rtol=1e-12, what="eq. 7 past exp's range, host")
+    with emulated_cuda() as stats:
+        alpha = bridge_alpha(mu.to("cuda"), var.to("cuda"))
+        assert alpha.device.type == "cuda" and stats.host_reads == 0
+        alpha = alpha.cpu()
+    # exp of a ~718 argument: its float64 rounding (≤ 718·eps ≈ 2e-13 relative) bounds the error
+    assert_close(alpha, expected, rtol=1e-12, what="eq. 7 past exp's range, device")
+
+
 def test_zero_sum_correction_matches_matrix_formula():
     gen = torch.Generator().manual_seed(0)
     mu = torch.randn(8, 5, generator=gen, dtype=torch.float64)

@@ -169,3 +169,31 @@ def test_calibration_extras_on_hand_table():
     c1 = (0.2 + 0.6 + 0.25 + 0.4) / 4
     c2 = (0.1 + 0.5 + 2 * abs(0.5 - 0.3)) / 4
     assert_close(classwise_ece(TABLE, LABELS), (c0 + c1 + c2) / 3, rtol=F64, what="classwise ece")
+
+
+def test_ood_metrics_equal_scikit_learn_with_ties_and_the_roc_points():
+    # The metrics run in torch on the scores' device; scikit-learn is the reference definition
+    # (roc_curve with drop_intermediate, roc_auc_score, average_precision_score). Integer-valued
+    # scores make many ties inside and across the two sets.
+    from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+
+    rng = np.random.default_rng(4)
+    cases = [
+        (rng.integers(0, 7, 400).astype(float), rng.integers(-2, 5, 250).astype(float)),
+        (rng.normal(1.0, 1.0, 300), rng.normal(0.0, 1.5, 500)),
+        (np.r_[np.full(5, 2.0), 1.0], np.r_[2.0, 0.0, 0.0]),
+    ]
+    for s_in, s_out in cases:
+        m = ood_metrics(torch.from_numpy(s_in), torch.from_numpy(s_out))
+        s, label = np.r_[s_in, s_out], np.r_[np.ones(len(s_in)), np.zeros(len(s_out))]
+        fpr, tpr, _ = roc_curve(label, s)
+        keep = sorted({int(round(i)) for i in np.linspace(0, len(fpr) - 1, min(101, len(fpr)))})
+        assert_close(m["auroc"], roc_auc_score(label, s), atol=F64, what="auroc vs sklearn")
+        assert_close(m["aupr_in"], average_precision_score(label, s), atol=F64, what="aupr-in vs sklearn")
+        assert_close(
+            m["aupr_out"], average_precision_score(1 - label, -s), atol=F64, what="aupr-out vs sklearn"
+        )
+        assert_close(m["fpr95"], fpr[(tpr >= 0.95).argmax()], atol=F64, what="fpr95 vs sklearn")
+        assert len(m["roc"]["fpr"]) == len(keep)
+        assert_close(m["roc"]["fpr"], fpr[keep], atol=F64, what="roc fpr points")
+        assert_close(m["roc"]["tpr"], tpr[keep], atol=F64, what="roc tpr points")

@@ -187,16 +187,17 @@ def prepare_prediction(
     num_workers: int = 0,
     skip_unreadable: bool = False,
 ):
-    """Load a posterior, its model (hash-verified) and the data, and extract features once."""
+    """Load a posterior, its model (hash-verified) and the data, and extract features once; the
+    posterior, the network and the features all sit on ``device`` afterwards."""
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 
-    post = load_posterior(posterior)
+    dev = resolve_device(device)
+    post = load_posterior(posterior, dev)
     model = post.load_model(checkpoint)
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes)
-    feats = extract_features(model, test, batch_size, resolve_device(device))
-    model.classifier.cpu()
+    feats = extract_features(model, test, batch_size, dev)
     return post, model, test, feats
 
 
@@ -278,14 +279,14 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
 
 
 def resolve_device(spec: str, sharded: bool = False) -> torch.device:
-    """``--device`` → a ``torch.device`` (see :func:`bayescli.features.resolve_device`).
+    """``--device`` → a ``torch.device`` (see :func:`bayescli.devices.resolve_device`).
 
     Under torchrun this also joins the process group (NCCL for CUDA, Gloo for CPU) and gives
     each process its own GPU (``cuda:LOCAL_RANK``); commands that do not shard their work
     (``sharded=False``) refuse to run on several processes rather than repeat it on each.
     """
     from bayescli import parallel
-    from bayescli.features import resolve_device as resolve
+    from bayescli.devices import resolve_device as resolve
 
     if parallel.world().distributed and not sharded:
         raise AllRanksError(

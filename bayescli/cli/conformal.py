@@ -83,7 +83,6 @@ def conformal_cmd(
     c.check_labels(cal, model.classifier.num_classes)
     dev = c.resolve_device(device)
     cal_feats = extract_features(model, cal, batch_size, dev)
-    model.classifier.cpu()
     cfg = EvalConfig(methods=[], samples=samples, seed=seed, batch_size=batch_size, data_root=data_root,
                      download=download, device=dev)  # fmt: skip
     result, sets = standalone_conformal(
@@ -99,12 +98,14 @@ def conformal_cmd(
     }
     if out is not None:
         names = model.class_names
+        labels = feats.labels.tolist() if feats.labels is not None else None
+        sets = sets.cpu()  # one copy, then per-input rows on the host
         per_input = [
             {
                 "index": i,
                 "classes": row.nonzero().squeeze(1).tolist(),
                 "names": [names[j] for j in row.nonzero().squeeze(1).tolist()],
-                **({"label": int(feats.labels[i])} if feats.labels is not None else {}),
+                **({"label": labels[i]} if labels is not None else {}),
             }
             for i, row in enumerate(sets)
         ]

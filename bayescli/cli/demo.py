@@ -58,7 +58,6 @@ def demo(
     model = load_classifier("builtin:small-cnn", ckpt)
     train_feats = extract_features(model, train_data, device=dev)
     test_feats = extract_features(model, test_data, device=dev)
-    model.classifier.cpu()
     post = fit_laplace(
         model.classifier,
         train_feats.phi,

@@ -149,7 +149,7 @@ def evaluate_cmd(
             fidelity_inputs=fidelity_inputs,
         ),
     )
-    posts = c.tagged_posteriors([load_posterior(p) for p in posterior], posterior)
+    posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
     model = next(iter(posts.values())).load_model(checkpoint)
     test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     c.check_labels(test, model.classifier.num_classes)

@@ -123,7 +123,7 @@ def fit_laplace_cmd(
         batches = fit_data.batches(batch_size)
     else:
         features = stream.pairs()
-    clf = loaded.classifier.cpu() if subset is Subset.ALL else loaded.classifier
+    clf = loaded.classifier.to(dev)
     initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below
     post = fit_laplace(
         clf,
@@ -138,7 +138,6 @@ def fit_laplace_cmd(
         refine_steps=refine_mode,
         features=features,
     )
-    clf = loaded.classifier.cpu()
     if prior == "val-nll":
         spec = val_data or validation_spec(data)
         val = c.load(spec, data_root, download, None, seed, loaded.preprocess, num_workers, skip_unreadable)

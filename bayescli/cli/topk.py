@@ -81,13 +81,14 @@ def topk_cmd(
         "summary": summary,
     }
     if out is not None:
+        labels = feats.labels.tolist() if feats.labels is not None else None
         per_input = [
             {
                 "index": i,
                 "classes": s.tolist(),
                 "names": [names[j] for j in s.tolist()],
                 "k": len(s),
-                **({"label": int(feats.labels[i])} if feats.labels is not None else {}),
+                **({"label": labels[i]} if labels is not None else {}),
             }
             for i, s in enumerate(sets)
         ]

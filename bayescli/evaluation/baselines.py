@@ -140,14 +140,15 @@ class Baselines:
         if data.y is not None and len(data.y) and int(data.y.max()) >= self.model.classifier.num_classes:
             raise BayescliError(f"{data.spec} has labels beyond the model's classes; use its own data")
         feats = extract_features(self.model, data, cfg.batch_size, cfg.device, cache)
-        self.model.classifier.cpu()
         self.timings[key] = feats.seconds
         return data, feats
 
     def _fit_detectors(self, wanted: list[str], data: Data, feats: Features) -> None:
         head = self.model.classifier.head
         weight = head.weight.detach().to(feats.phi.dtype)
-        bias = head.bias.detach().to(feats.phi.dtype) if head.bias is not None else torch.zeros(len(weight))
+        bias = (
+            head.bias.detach().to(feats.phi.dtype) if head.bias is not None else weight.new_zeros(len(weight))
+        )
         k = self.model.classifier.num_classes
         needs_labels = {"mahalanobis", "rel_mahalanobis"} & set(wanted)
         if needs_labels and feats.labels is None:
@@ -184,16 +185,14 @@ class Baselines:
                     self._add(f"score.{key}", time.perf_counter() - start)
                 if "odin" in selected:
                     start = time.perf_counter()
-                    clf = self.model.classifier.to(self.cfg.device)
                     out.scores["odin"] = det.odin(
-                        clf,
+                        self.model.classifier,
                         data.inputs(slice(None)),
                         self.bc.odin_temperature,
                         self.bc.odin_epsilon,
                         self.cfg.batch_size,
                         self.cfg.device,
                     )
-                    clf.cpu()
                     self._add("score.odin", time.perf_counter() - start)
             out.scores = {k: v for k, v in out.scores.items() if k in selected}
 
@@ -371,7 +370,6 @@ def standalone_conformal(
         else:
             data = load_data(val_spec, cfg.data_root, cfg.download, None, 0, preprocess=model.preprocess)
             feats = extract_features(model, data, cfg.batch_size, cfg.device)
-            model.classifier.cpu()
             if feats.labels is None:
                 raise BayescliError(
                     f"{val_spec} has no labels; temperature scaling needs labelled --val-data"

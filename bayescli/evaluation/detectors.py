@@ -55,7 +55,7 @@ def _ridged_cholesky(scatter: torch.Tensor, count: int, ridge: float) -> torch.T
     """Lower Cholesky factor of ``scatter/count + ridge·tr/D·I`` (float64)."""
     cov = scatter.double() / count
     d = cov.shape[0]
-    cov = cov + (ridge * cov.diagonal().sum().item() / d) * torch.eye(d, dtype=torch.float64)
+    cov = cov + (ridge * cov.diagonal().sum() / d) * torch.eye(d, dtype=torch.float64, device=cov.device)
     chol, info = torch.linalg.cholesky_ex(cov)
     if int(info) != 0:
         raise BayescliError(
@@ -79,15 +79,16 @@ def _class_scatter(
     scatter ``Σ_i (φ_i − μ_{y_i})(φ_i − μ_{y_i})ᵀ`` ``[D, D]`` (float64), in chunks: each
     chunk's product in the features' dtype, summed in float64."""
     _check_fit(phi, labels)
+    labels = labels.to(phi.device)
     counts = torch.bincount(labels, minlength=num_classes)
-    sums = torch.zeros(num_classes, phi.shape[1], dtype=torch.float64)
+    sums = torch.zeros(num_classes, phi.shape[1], dtype=torch.float64, device=phi.device)
     rows = _rows(phi.shape[1])
     for start in range(0, len(phi), rows):
         sums.index_add_(0, labels[start : start + rows], phi[start : start + rows].double())
     present = counts > 0
-    full_means = torch.zeros(num_classes, phi.shape[1], dtype=phi.dtype)
+    full_means = phi.new_zeros(num_classes, phi.shape[1])
     full_means[present] = (sums[present] / counts[present, None]).to(phi.dtype)
-    scatter = torch.zeros(phi.shape[1], phi.shape[1], dtype=torch.float64)
+    scatter = torch.zeros(phi.shape[1], phi.shape[1], dtype=torch.float64, device=phi.device)
     for start in range(0, len(phi), rows):
         centred = phi[start : start + rows] - full_means[labels[start : start + rows]]
         scatter += (centred.T @ centred).double()
@@ -190,8 +191,9 @@ class KNN:
             raise BayescliError(f"KNN needs k ≥ 1, got {k}")
         bank = phi
         if bank_size is not None and bank_size < len(phi):
+            # drawn on the host: the same bank on every device for a seed
             idx = torch.randperm(len(phi), generator=torch.Generator().manual_seed(seed))[:bank_size]
-            bank = phi[idx.sort().values]
+            bank = phi[idx.sort().values.to(phi.device)]
         if k > len(bank):
             raise BayescliError(f"KNN k = {k} exceeds the {len(bank)} fitting features; lower k")
         return cls(_normalise(bank), k, len(phi), seed)
@@ -254,7 +256,7 @@ class ViM:
             raise BayescliError(f"ViM needs 0 < dim < D = {d}, got {dim}")
         w, b = weight.double(), bias.double()
         origin = -(torch.linalg.pinv(w) @ b)
-        scatter = torch.zeros(d, d, dtype=torch.float64)
+        scatter = torch.zeros(d, d, dtype=torch.float64, device=phi.device)
         rows = _rows(d)
         for start in range(0, len(phi), rows):
             centred = phi[start : start + rows] - origin.to(phi.dtype)
@@ -353,5 +355,5 @@ def odin(
         perturbed = xb.detach() + epsilon * grad.sign()
         with torch.no_grad():
             scores = torch.softmax(classifier(perturbed).double() / temperature, -1).max(-1).values
-        out.append(scores.cpu())
+        out.append(scores)
     return torch.cat(out)

@@ -117,7 +117,6 @@ class Evaluator:
         outs = {}
         with parallel.together():  # an error on any process (say, an unreadable file) ends all
             feats = extract_features(self.model, local, self.cfg.batch_size, self.cfg.device)
-            self.model.classifier.cpu()
             # an FGSM view attacks while streaming: its seconds are counted under "attack"
             self.timings["forward"] += feats.seconds - (self.timings["attack"] - attack_before)
             for m in self.methods:
@@ -184,10 +183,10 @@ def _ood_key(spec: str) -> str:
 def _attack(
     x: torch.Tensor, y: torch.Tensor, classifier: Classifier, eps: float, timings: dict
 ) -> torch.Tensor:
-    """FGSM on one batch, on whichever device the classifier sits while features stream."""
+    """FGSM on one batch, on the classifier's device (the attacked batch stays there)."""
     t0 = time.perf_counter()
     dev = next(classifier.parameters()).device
-    out = fgsm(classifier, x.to(dev), y.to(dev), eps, len(x)).cpu()
+    out = fgsm(classifier, x.to(dev), y.to(dev), eps, len(x))
     timings["attack"] += time.perf_counter() - t0
     return out
 

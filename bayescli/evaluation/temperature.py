@@ -55,6 +55,7 @@ def fit_temperature(
     if not 0 < lo < 1 < hi:
         raise BayescliError(f"temperature bounds must satisfy 0 < lo < 1 < hi, got {bounds}")
     z = logits.double()
+    labels = labels.to(z.device)
 
     def objective(beta: float) -> float:
         return nll_at(z, labels, 1 / beta)

@@ -129,9 +129,9 @@ class Posterior(ABC):
         save_tensors(path, self.tensors(), self.metadata())
 
     @classmethod
-    def load(cls, path: str | Path) -> Posterior:
-        """Read a posterior file; it must hold this class's method."""
-        post = load_posterior(path)
+    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> Posterior:
+        """Read a posterior file onto ``device``; it must hold this class's method."""
+        post = load_posterior(path, device)
         if not isinstance(post, cls):
             raise BayescliError(f"{path} holds a {post.method} posterior, not {cls.method}")
         return post
@@ -180,9 +180,11 @@ def posterior_class(method: str) -> type[Posterior]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_posterior(path: str | Path) -> Posterior:
-    """Read any posterior file, dispatching on its ``method`` entry."""
+def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:
+    """Read any posterior file, dispatching on its ``method`` entry, onto ``device`` (what the
+    posterior derives from its tensors — eigendecompositions, Cholesky factors — is computed there)."""
     tensors, meta = load_tensors(path)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     if meta.get("format") != FORMAT:
         raise BayescliError(
             f"{path} is not a bayescli posterior file; create one with fit-laplace or fit-vi"

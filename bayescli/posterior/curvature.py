@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bayescli import parallel
+from bayescli import devices, parallel
 from bayescli.errors import BayescliError
 from bayescli.options import Backend, CurvatureType, HessianStructure
 
@@ -131,6 +131,8 @@ class CurvatureAccumulator:
     Rows are regrouped into chunks of exactly ``batch_size`` before they are summed, so the
     result does not depend on how the stream was batched: a streamed fit equals the in-memory one
     (:func:`last_layer_curvature`) to the last bit. Memory: one chunk of ``φ̃`` plus the factors.
+    Everything stays on ``weight_aug``'s device (the float64 sums included): no batch goes back
+    to the host.
     The log-likelihood ``Σ log softmax(W̃φ̃)_y`` (float64) is summed alongside while every batch
     has labels.
     """
@@ -161,7 +163,7 @@ class CurvatureAccumulator:
             backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
         self.structure, self.curvature, self.backend = structure, curvature, backend
         self.batch_size = batch_size
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = devices.generator(weight_aug.device, seed)
         weight_aug = weight_aug.detach()
         if structure is HessianStructure.FULL:
             weight_aug = weight_aug.double()  # its eigendecomposition needs the accuracy
@@ -176,7 +178,7 @@ class CurvatureAccumulator:
             self.loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
         self.totals: list[torch.Tensor] | None = None
         self.n = 0
-        self.log_lik = torch.zeros((), dtype=torch.float64)
+        self.log_lik = torch.zeros((), dtype=torch.float64, device=weight_aug.device)
         self.labelled = True
         self._phi: list[torch.Tensor] = []
         self._labels: list[torch.Tensor | None] = []
@@ -305,7 +307,7 @@ def all_layer_curvature(
             "Use --hessian diag or --subset last-layer"
         )
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = devices.generator(next(net.parameters()).device, seed)
     if structure is HessianStructure.DIAG:
         return _all_layer_diag_backpack(net, inputs, curvature)
     return _all_layer_full(net, inputs, curvature, gen)

@@ -212,12 +212,12 @@ class DiagGaussian(WeightGaussian):
         return 1.0 / (self.h + self.delta)
 
     def log_det_precision(self, delta: float | torch.Tensor) -> torch.Tensor:
-        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1, 1)
+        d = torch.as_tensor(delta, dtype=torch.float64, device=self.h.device).reshape(-1, 1)
         return torch.log(self.h.double().reshape(1, -1) + d).sum(-1).reshape(torch.as_tensor(delta).shape)
 
     def sample(self, num: int, generator: torch.Generator | None = None) -> torch.Tensor:
         flat = self.mean.reshape(-1)
-        eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype)
+        eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype, device=flat.device)
         return flat + eps * self.variance().reshape(-1).sqrt()
 
     def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:
@@ -262,11 +262,13 @@ class KronGaussian(WeightGaussian):
 
     def log_det_precision(self, delta: float | torch.Tensor) -> torch.Tensor:
         ga = torch.outer(self.g, self.a).double().reshape(1, -1)
-        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1, 1)
+        d = torch.as_tensor(delta, dtype=torch.float64, device=ga.device).reshape(-1, 1)
         return torch.log(ga + d).sum(-1).reshape(torch.as_tensor(delta).shape)
 
     def sample(self, num: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        eps = torch.randn(num, *self.mean.shape, generator=generator, dtype=self.mean.dtype)
+        eps = torch.randn(
+            num, *self.mean.shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device
+        )
         w = self.mean + self.Q_G @ (eps * self.inv_eig.sqrt()) @ self.Q_A.T
         return w.reshape(num, -1)
 
@@ -306,12 +308,12 @@ class FullGaussian(WeightGaussian):
         return self.cov_factor @ self.cov_factor.T
 
     def log_det_precision(self, delta: float | torch.Tensor) -> torch.Tensor:
-        d = torch.as_tensor(delta, dtype=torch.float64).reshape(-1, 1)
+        d = torch.as_tensor(delta, dtype=torch.float64, device=self.eig.device).reshape(-1, 1)
         return torch.log(self.eig.reshape(1, -1) + d).sum(-1).reshape(torch.as_tensor(delta).shape)
 
     def sample(self, num: int, generator: torch.Generator | None = None) -> torch.Tensor:
         flat = self.mean.reshape(-1)
-        eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype)
+        eps = torch.randn(num, flat.numel(), generator=generator, dtype=flat.dtype, device=flat.device)
         return flat + eps @ self.cov_factor.T
 
     def push_last_layer(self, phi: torch.Tensor, bias: bool) -> LogitGaussian:

@@ -143,20 +143,22 @@ class LaplacePosterior(Posterior):
         dtype of the fit.
         """
         bias = head.bias is not None
-        acc = None
+        acc = finite = None
         # Under torchrun each process streams its shard; a failure on any ends every process
         # here, before the sums in ``finish`` (so none waits in a collective).
         with parallel.together():
             for phi, labels in batches:
-                if not torch.isfinite(phi).all():
-                    raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
                 if acc is None:
-                    # on the features' device and dtype (the backbone may still sit on a GPU)
+                    # on the features' device and dtype: a GPU pass keeps the whole fit there
                     mean = (head_parameters(head) if mean is None else mean).to(phi)
                     acc = CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
+                    finite = torch.ones((), dtype=torch.bool, device=phi.device)
+                finite &= torch.isfinite(phi).all()  # read once below, not per batch
                 acc.update(augment(phi) if bias else phi, labels)
             if acc is None:
                 raise BayescliError("no fitting data: the feature stream was empty")
+            if not bool(finite):
+                raise BayescliError("features contain NaN or inf; check the inputs and the checkpoint")
         curv = acc.finish()
         return cls(
             _gaussian(curv, mean, 1.0),
@@ -182,18 +184,18 @@ class LaplacePosterior(Posterior):
         holds the ``[P, P]`` curvature its maths needs (P ≤ 20,000).
         """
         net = classifier.net
-        log_lik = {"sum": 0.0, "labelled": True}
+        dev = next(net.parameters()).device
+        log_lik = {"sum": torch.zeros((), dtype=torch.float64, device=dev), "labelled": True}
 
         def normed() -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
             for x, y in batches:
-                xn = classifier.normalise(x)
+                xn = classifier.normalise(x.to(dev))
                 if y is None:
                     log_lik["labelled"] = False
                 else:
+                    y = y.to(dev)
                     with torch.no_grad():
-                        log_lik["sum"] -= nn.functional.cross_entropy(
-                            net(xn).double(), y, reduction="sum"
-                        ).item()
+                        log_lik["sum"] -= nn.functional.cross_entropy(net(xn).double(), y, reduction="sum")
                 yield xn, y
 
         curv = all_layer_curvature(net, normed(), structure, curvature, seed)
@@ -204,7 +206,7 @@ class LaplacePosterior(Posterior):
             CurvatureType(curvature),
             False,
             curv.n_data,
-            log_lik["sum"] if log_lik["labelled"] else None,
+            float(log_lik["sum"]) if log_lik["labelled"] else None,
         )
 
     # -- prior --------------------------------------------------------------------------------
@@ -243,7 +245,8 @@ class LaplacePosterior(Posterior):
 
     def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
         """GLM logit Gaussian ``N(f(x), J Σ Jᵀ)`` for all-layer posteriors, ``x [N, ...]`` in pixel space."""
-        f, jac = network_jacobian(classifier.net, classifier.normalise(x))
+        dev = self.gaussian.mean.device
+        f, jac = network_jacobian(classifier.net, classifier.normalise(x.to(dev)))
         return self.gaussian.push_jacobian(f, jac)
 
     def sample_logits(
@@ -263,7 +266,7 @@ class LaplacePosterior(Posterior):
         from torch.func import functional_call
 
         shapes = [(name, p.shape, p.numel()) for name, p in classifier.net.named_parameters()]
-        xn = classifier.normalise(x)
+        xn = classifier.normalise(x.to(draws.device))
         out = []
         for theta in draws:
             params, offset = {}, 0

@@ -25,7 +25,7 @@ LOG10_RANGE = (-6.0, 6.0)
 
 def log_marglik(gaussian: WeightGaussian, log_lik: float, delta: float | torch.Tensor) -> torch.Tensor:
     """Laplace log marginal likelihood for prior precision ``δ`` (vectorised over ``δ``)."""
-    d = torch.as_tensor(delta, dtype=torch.float64)
+    d = torch.as_tensor(delta, dtype=torch.float64, device=gaussian.mean.device)
     theta2 = gaussian.mean.double().pow(2).sum()
     p = gaussian.num_params
     return log_lik + 0.5 * p * torch.log(d) - 0.5 * d * theta2 - 0.5 * gaussian.log_det_precision(d)
@@ -36,8 +36,9 @@ def optimise_marglik(
 ) -> tuple[float, list[list[float]]]:
     """``argmax_δ log p(D | δ)`` and the objective curve ``[[δ, value], ...]`` on the grid."""
     grid = torch.logspace(*LOG10_RANGE, grid_points, dtype=torch.float64)
-    # one δ at a time: vectorised over the grid, a 2048→1000 KFAC head needs [49, 2M] temporaries (1.5 GiB)
-    values = torch.stack([log_marglik(gaussian, log_lik, d) for d in grid])
+    # one δ at a time: vectorised over the grid, a 2048→1000 KFAC head needs [49, 2M] temporaries
+    # (1.5 GiB); the values stay on the posterior's device until the one copy below
+    values = torch.stack([log_marglik(gaussian, log_lik, float(d)) for d in grid]).cpu()
     best = int(values.argmax())
     lo = np.log10(grid[max(best - 1, 0)].item())
     hi = np.log10(grid[min(best + 1, grid_points - 1)].item())
@@ -62,7 +63,7 @@ def optimise_marglik(
 def marglik_slope(gaussian: WeightGaussian, log_lik: float, log10_delta: float) -> float:
     """``d log p(D | δ) / d log₁₀ δ`` at ``δ = 10^log10_delta`` (automatic differentiation,
     float64): ``ln 10 · δ · (P/(2δ) − ‖θ*‖²/2 − ½ tr (H + δI)⁻¹)``."""
-    d = torch.tensor(10.0**log10_delta, dtype=torch.float64, requires_grad=True)
+    d = torch.tensor(10.0**log10_delta, dtype=torch.float64, device=gaussian.mean.device, requires_grad=True)
     (grad,) = torch.autograd.grad(log_marglik(gaussian, log_lik, d).sum(), d)
     return float(grad) * float(d.detach()) * float(np.log(10.0))
 

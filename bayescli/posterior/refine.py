@@ -35,7 +35,7 @@ def _newton(
 ) -> tuple[torch.Tensor, list[float]]:
     k, d1 = w.shape
     history = [objective(w, phi_aug, labels, delta)]
-    eye = torch.eye(k * d1, dtype=w.dtype)
+    eye = torch.eye(k * d1, dtype=w.dtype, device=w.device)
     for _ in range(steps):
         grad = _gradient(w, phi_aug, labels, delta)
         if grad.abs().max() < tol:

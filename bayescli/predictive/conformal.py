@@ -81,7 +81,7 @@ def label_scores(probs: torch.Tensor, cfg: ConformalConfig, u: torch.Tensor | No
     else:
         by_rank = inclusive
     if cfg.score is ConformalScore.RAPS:
-        ranks = torch.arange(1, p.shape[-1] + 1, dtype=torch.float64)
+        ranks = torch.arange(1, p.shape[-1] + 1, dtype=torch.float64, device=p.device)
         by_rank = by_rank + cfg.lam * (ranks - cfg.k_reg).clamp_min(0)
     return torch.empty_like(by_rank).scatter_(-1, order, by_rank)
 
@@ -92,10 +92,11 @@ def true_label_scores(
     """``label_scores(...)`` at the labels only ``[N]``, without sorting: the classes ranked
     before ``y`` are those with a larger probability, or an equal one and a smaller index."""
     p = probs.double()
+    labels = labels.to(p.device)
     p_y = p.gather(1, labels.view(-1, 1))
     if cfg.score is ConformalScore.LAC:
         return 1 - p_y.squeeze(1)
-    index = torch.arange(p.shape[1])
+    index = torch.arange(p.shape[1], device=p.device)
     before = (p > p_y) | ((p == p_y) & (index < labels.view(-1, 1)))
     if cfg.randomised and u is None:
         raise ValueError("randomised scores need u")
@@ -107,9 +108,10 @@ def true_label_scores(
     return score
 
 
-def uniforms(n: int, seed: int) -> torch.Tensor:
-    """The seeded ``U(0, 1)`` draws of randomised scores ``[n]``."""
-    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+def uniforms(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The seeded ``U(0, 1)`` draws of randomised scores ``[n]`` (drawn on the host, so a seed gives
+    the same sets on every device; ``n`` floats are a negligible copy)."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
 
 
 def threshold(cal_scores: torch.Tensor, alpha: float) -> float:
@@ -128,19 +130,20 @@ def calibrate(probs: torch.Tensor, labels: torch.Tensor, cfg: ConformalConfig, s
     """``q̂`` from calibration ``probs [n, K]`` and ``labels [n]``."""
     if labels is None:
         raise BayescliError("conformal calibration needs labelled data")
-    u = uniforms(len(probs), seed) if cfg.randomised else None
+    u = uniforms(len(probs), seed, probs.device) if cfg.randomised else None
     return threshold(true_label_scores(probs, labels, cfg, u), cfg.alpha)
 
 
 def prediction_sets(probs: torch.Tensor, q_hat: float, cfg: ConformalConfig, seed: int = 1) -> torch.Tensor:
     """Membership ``[N, K]`` (bool) of each class in each input's set."""
-    u = uniforms(len(probs), seed) if cfg.randomised else None
+    u = uniforms(len(probs), seed, probs.device) if cfg.randomised else None
     return label_scores(probs, cfg, u) <= q_hat
 
 
 def set_summary(sets: torch.Tensor, labels: torch.Tensor | None) -> dict:
     """Mean size, size histogram ``{size: count}``; with labels also coverage, coverage by set
     size and by class (sizes or classes without inputs are left out)."""
+    sets = sets.cpu()  # a summary of N booleans per class: read once on the host
     sizes = sets.sum(-1)
     k = sets.shape[-1]
     counts = torch.bincount(sizes, minlength=k + 1)
@@ -149,6 +152,7 @@ def set_summary(sets: torch.Tensor, labels: torch.Tensor | None) -> dict:
         "size_histogram": {str(s): int(c) for s, c in enumerate(counts.tolist()) if c},
     }
     if labels is not None:
+        labels = labels.cpu()
         hit = sets.gather(1, labels.view(-1, 1)).squeeze(1).double()
         out["coverage"] = hit.mean().item()
         by_size = torch.zeros(k + 1, dtype=torch.float64).index_add_(0, sizes, hit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from bayescli import devices
 from bayescli.options import BridgeCorrection
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
@@ -44,7 +45,7 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _nll(p: torch.Tensor, labels: torch.Tensor) -> float:
-    return -p.double().gather(1, labels.view(-1, 1)).clamp_min(1e-12).log().mean().item()
+    return -p.double().gather(1, labels.to(p.device).view(-1, 1)).clamp_min(1e-12).log().mean().item()
 
 
 def link_fidelity(
@@ -62,7 +63,7 @@ def link_fidelity(
     ``noise_floor``; one warning line per link (of ``warn_for``, default all) whose mean KL
     exceeds ``threshold``.
     """
-    mc = monte_carlo(lg, samples, torch.Generator().manual_seed(seed))
+    mc = monte_carlo(lg, samples, devices.generator(lg.mean.device, seed))
     floor = (mc.std.double().square() / (2 * samples * mc.probs.double().clamp_min(1e-30))).sum(-1)
     links = {"map": lg.mean.softmax(-1), "probit": probit(lg), "sodpp": sodpp(lg)}
     for corr in BridgeCorrection:

@@ -82,12 +82,12 @@ class GGPLaplace:
         pi = f.softmax(1).T  # [C, M]
         s = pi.sqrt()
         m = pi.shape[1]
-        eye = torch.eye(m, dtype=pi.dtype)
+        eye = torch.eye(m, dtype=pi.dtype, device=pi.device)
         if self.factor is not None:
             # Woodbury: E_c = D − D F (I_R + Fᵀ D F)⁻¹ Fᵀ D with D = diag(π_c)
             fr = self.factor
             df = pi[:, :, None] * fr  # [C, M, R]
-            inner = torch.eye(fr.shape[1], dtype=pi.dtype) + fr.T @ df  # [C, R, R]
+            inner = torch.eye(fr.shape[1], dtype=pi.dtype, device=pi.device) + fr.T @ df  # [C, R, R]
             sol = torch.linalg.solve(inner, df.transpose(1, 2))  # [C, R, M]
             e = torch.diag_embed(pi) - df @ sol
         else:
@@ -241,7 +241,7 @@ class GGPPredictor:
                 kernel = (self.train @ self.train.T / self.delta)[None]
         else:
             # the M fitting points only: their Jacobians [M, C, P] are what this kernel needs
-            x = torch.cat([xb for xb, _ in fit_data.batches(256)])
+            x = torch.cat([xb for xb, _ in fit_data.batches(256)]).to(fit_feats.phi.device)
             self.train_jac, f_star, prior_mean = self._jacobian(x)
             kernel = torch.einsum("mcp,ncp->cmn", self.train_jac, self.train_jac) / self.delta
         self.model = GGPLaplace(kernel, prior_mean, y, factor).fit(f_star, refine)
@@ -267,6 +267,7 @@ class GGPPredictor:
                 f"the all-layer GGP kernel needs {len(x)}×C×{n_params:,} Jacobian entries; "
                 "lower --ggp-points or use a last-layer posterior"
             )
+        x = x.to(self.post.gaussian.mean.device)
         f, jac = network_jacobian(self.classifier.net, self.classifier.normalise(x))
         theta = self.post.gaussian.mean.reshape(-1).double()
         jac, f = jac.double(), f.double()
@@ -281,7 +282,7 @@ class GGPPredictor:
             k_cross = (self.train @ test.T / self.delta)[None]
             k_diag = (test.pow(2).sum(1) / self.delta)[None]
             lg = self.model.predict(
-                k_cross, k_diag, torch.zeros(len(test), self.model.num_classes, dtype=torch.float64)
+                k_cross, k_diag, test.new_zeros(len(test), self.model.num_classes)
             )
             return LogitGaussian(lg.mean.float(), lg.var.float(), lg.cov.float())
         parts = []
@@ -330,7 +331,6 @@ def fit_ggp(
         skip_unreadable=skip_unreadable,
     )
     feats = extract_features(model, fit_data, batch_size, device)
-    model.classifier.cpu()
     ggp = GGPPredictor(posterior, feats, refine, model.classifier, fit_data)
     ggp.info |= {"data": fit_data.info}
     return ggp

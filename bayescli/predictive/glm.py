@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
@@ -67,13 +68,12 @@ def _bnn_logits(
 ) -> torch.Tensor:
     if not posterior.needs_inputs:
         return posterior.sample_logits(samples, classifier, None, feats.phi, gen)
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    dev = feats.phi.device
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=dev))
     parts = []
     for x, _ in data.batches(batch_size):
         # Same weight draws for every batch: re-seed per batch.
-        parts.append(
-            posterior.sample_logits(samples, classifier, x, None, torch.Generator().manual_seed(seed))
-        )
+        parts.append(posterior.sample_logits(samples, classifier, x, None, devices.generator(dev, seed)))
     return torch.cat(parts, dim=1)
 
 
@@ -94,10 +94,13 @@ def predict(
     """Predictive probabilities for the inputs whose features are ``feats``.
 
     All-layer posteriors and the all-layer BNN predictive also need ``classifier`` and ``data``.
-    Timings (seconds) of the forward pass, the predictive and the link are recorded separately.
+    Everything runs on the device of ``feats`` (random draws from a generator seeded there).
+    Timings (seconds) of the forward pass, the predictive and the link are recorded separately
+    (on a GPU each is synchronised first, so it counts its own kernels).
     """
     predictive, link = Predictive(predictive), Link(link)
-    gen = torch.Generator().manual_seed(seed)
+    dev = feats.phi.device
+    gen = devices.generator(dev, seed)
     timings = {"forward": feats.seconds}
     start = time.perf_counter()
     if predictive is not Predictive.BNN:
@@ -107,6 +110,7 @@ def predict(
             lg = ggp.logit_gaussian(feats, data, batch_size)
         else:
             lg = logit_gaussian(posterior, feats, classifier, data, batch_size)
+        devices.synchronize(dev)
         timings["predictive"] = time.perf_counter() - start
         start = time.perf_counter()
         out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
@@ -115,6 +119,7 @@ def predict(
         centred = draws - draws.mean(0)
         cov = torch.einsum("mnk,mnl->nkl", centred, centred) / max(1, samples - 1)
         lg = LogitGaussian(draws.mean(0), cov.diagonal(dim1=1, dim2=2).clone(), cov)
+        devices.synchronize(dev)
         timings["predictive"] = time.perf_counter() - start
         start = time.perf_counter()
         if link is Link.MC:
@@ -124,6 +129,7 @@ def predict(
             out = LinkOutput(probs.mean(0), alpha, probs.std(0), ent)
         else:
             out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
+    devices.synchronize(dev)
     timings["link"] = time.perf_counter() - start
     return Prediction(
         out.probs, lg, out.alpha, out.std, predictive.value, link.value, timings, out.expected_entropy

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bayescli import devices
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link
 from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
 from bayescli.predictive import dirichlet
@@ -137,6 +138,7 @@ def apply_link(
     if link is Link.SODPP:
         return LinkOutput(sodpp(lg))
     if link is Link.MC:
-        return monte_carlo(lg, samples, generator or torch.Generator().manual_seed(0), fit_dirichlet)
+        gen = generator if generator is not None else devices.generator(lg.mean.device, 0)
+        return monte_carlo(lg, samples, gen, fit_dirichlet)
     alpha = bridge(lg, correction)
     return LinkOutput(dirichlet.mean(alpha).to(lg.mean.dtype), alpha)

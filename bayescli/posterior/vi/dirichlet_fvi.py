@@ -329,9 +329,10 @@ def head_logits(
 
 
 def _init_head(family: str, head: nn.Linear, members: int, scale: float, gen: torch.Generator) -> dict:
-    """Trainable head parameters started from the MAP head (module docs)."""
-    w = head.weight.detach().float()
-    b = head.bias.detach().float() if head.bias is not None else torch.zeros(w.shape[0])
+    """Trainable head parameters started from the MAP head (module docs), on the host (the seeded
+    start is then the same on every device; the caller moves them)."""
+    w = head.weight.detach().float().cpu()
+    b = head.bias.detach().float().cpu() if head.bias is not None else torch.zeros(w.shape[0])
     rms = w.square().mean().sqrt()
     if family == "ensemble":
         noise = torch.randn(members, *w.shape, generator=gen) * (scale * rms)

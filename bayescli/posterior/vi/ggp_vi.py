@@ -295,7 +295,7 @@ class GGPVIPosterior(Posterior):
             x = self._aug(phi[start : start + _CHUNK])
             a = self._cache["proj"] @ x.T  # [1, r, n]
             kres = (x.square().sum(1) / self.prior_precision - a.square().sum(1)).clamp_min(0)
-            prior_mean = torch.zeros(len(x), self.var_mean.shape[0], dtype=torch.float64)
+            prior_mean = x.new_zeros(len(x), self.var_mean.shape[0])
             parts.append(
                 predict_svgp(Projected(a, kres, prior_mean), self.var_mean.double(), self.var_chol.double())
             )
@@ -551,8 +551,9 @@ def fit_ggp_vi(
         require(val is not None and val.y is not None, "--select needs labelled validation data (--val-data)")
     clf = model.classifier
     last = subset is Subset.LAST_LAYER
-    phi = extract_features(model, train, batch_size, device).phi if last else None
-    val_phi = extract_features(model, val, batch_size, device).phi if last and cfg.select else None
+    # the backbone runs on ``device``; the SVGP iterations run on the host (features come back once)
+    phi = extract_features(model, train, batch_size, device).phi.cpu() if last else None
+    val_phi = extract_features(model, val, batch_size, device).phi.cpu() if last and cfg.select else None
     clf.cpu().eval()
     index = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
     index = index[: min(cfg.inducing_points, len(train))].sort().values

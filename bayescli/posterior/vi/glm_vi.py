@@ -754,13 +754,16 @@ def fit_glm_vi(
     device: torch.device,
     batch_size: int = 256,
 ) -> GLMVIPosterior:
-    """GLM VI post hoc on a trained checkpoint (features extracted here for the last layer)."""
+    """GLM VI post hoc on a trained checkpoint (features extracted here for the last layer).
+
+    The backbone runs on ``device``; the natural-gradient iterations run on the host (features
+    come back once)."""
     start = time.perf_counter()
     last = Subset(cfg.subset) is Subset.LAST_LAYER
-    phi = extract_features(model, train, batch_size, device).phi if last else None
+    phi = extract_features(model, train, batch_size, device).phi.cpu() if last else None
     val_phi = None
     if last and cfg.select and val is not None:
-        val_phi = extract_features(model, val, batch_size, device).phi
+        val_phi = extract_features(model, val, batch_size, device).phi.cpu()
     problem = _prepare(model.classifier, train, val, cfg, phi, val_phi, batch_size)
     post = _fit(problem, cfg, batch_size)
     post.meta["fit_seconds"] = time.perf_counter() - start

@@ -1,0 +1,153 @@
+"""``--device cuda`` keeps the maths on the device: checked on an emulated GPU.
+
+With a CUDA device, features, curvature sums (float64), eigendecompositions (float64), the prior
+search, predictives, links, top-k inputs and metrics run where the backbone runs, and posterior
+files stay device-free. This machine has no GPU, so ``tests/emulated_cuda.py`` emulates one: its
+tensors say ``cuda:0`` but compute with the CPU's kernels, an op that mixes them with host
+tensors raises as CUDA does, and every copy back to the host and every scalar read is counted.
+Generators seeded on "cuda" are CPU generators there, so a run on the emulated device must give
+the CPU run's numbers exactly (same kernels, same draws). Each command is checked for:
+
+1. **no mixing**: the command succeeds with ``--device cuda`` (a stray host tensor would raise);
+2. **same numbers** as ``--device cpu`` (posterior tensors, δ, reports, per-input outputs);
+3. **nothing back per batch**: a run over 4× as many batches makes no more host reads. Reads that
+   do not scale with the data (the prior search's scalars, one copy of each result) are allowed;
+   a per-batch ``.item()``/``.cpu()`` would add one read per extra batch, more than ``SLACK``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from emulated_cuda import emulated_cuda
+from tolerance import assert_below
+
+from bayescli.io import load_tensors
+
+BATCHES = (32, 128)  # digits:train (1,078 rows) → 34 vs 9 batches; digits:test (360) → 12 vs 3
+# Host reads that may differ between the two batchings without any per-batch read: the prior
+# search's root-finder may take one or two more steps when the factors differ by round-off.
+SLACK = 4
+
+
+def _run(cli, *args, device: str):
+    """``bayescli ARGS --device DEVICE`` (emulated when cuda); returns (result, host reads, events)."""
+    if device == "cpu":
+        return cli(*args, "--device", "cpu"), 0, ""
+    with emulated_cuda() as stats:
+        res = cli(*args, "--device", "cuda")
+    return res, stats.host_reads, stats.report()
+
+
+def _same_tensors(a: Path, b: Path) -> None:
+    ta, ma = load_tensors(a)
+    tb, mb = load_tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for key in ta:
+        assert ta[key].device.type == "cpu" and tb[key].device.type == "cpu"  # files are device-free
+        assert (ta[key] == tb[key]).all(), key
+    return ma, mb
+
+
+def _results(path: Path) -> dict:
+    """A JSON output without what legitimately differs between devices (device, timings)."""
+    out = json.loads(path.read_text())
+    for key in ("timings", "environment"):
+        out.pop(key, None)
+    return out
+
+
+def test_fit_laplace_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, digits_ckpt, tmp_path):
+    common = ("fit-laplace", "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt,
+              "--data", "digits:train", "--quiet")  # fmt: skip
+    reads, events = {}, {}
+    for bs in BATCHES:
+        out = tmp_path / f"gpu{bs}.safetensors"
+        res, reads[bs], events[bs] = _run(cli, *common, "--batch-size", bs, "--out", out, device="cuda")
+        assert res.code == 0, res.err
+    cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    meta_gpu, meta_cpu = _same_tensors(tmp_path / "gpu32.safetensors", tmp_path / "cpu.safetensors")
+    assert meta_gpu["prior_precision"] == meta_cpu["prior_precision"]
+    assert meta_gpu["log_likelihood"] == meta_cpu["log_likelihood"]
+    extra = abs(reads[BATCHES[0]] - reads[BATCHES[1]])
+    assert_below(extra, SLACK + 1, what=f"host reads {reads}; 34 vs 9 batches\n{events[BATCHES[0]]}")
+
+
+@pytest.mark.parametrize(
+    ("link", "suffix"), [("probit", ".jsonl"), ("bridge", ".safetensors"), ("mc", ".safetensors")]
+)
+def test_predict_on_the_device_equals_cpu_and_reads_nothing_per_batch(
+    cli, digits_posterior, tmp_path, monkeypatch, link, suffix
+):
+    # 500 MC samples: the MC link's chunks hold 52 inputs, so 360 vs 120 inputs are 7 vs 3 chunks;
+    # the bridge's chunks are cut to 50 inputs for the same reason (8 vs 3)
+    monkeypatch.setattr("bayescli.predictive.links.BRIDGE_CHUNK_ELEMENTS", 500)
+    common = ("predict", "--posterior", digits_posterior, "--data", "digits:test", "--link", link,
+              "--samples", 500, "--quiet")  # fmt: skip
+    reads, events = {}, {}
+    runs = {"32": ("--batch-size", 32), "128": ("--batch-size", 128), "120 rows": ("--limit", 120)}
+    for name, opts in runs.items():
+        out = tmp_path / f"gpu{name.split()[0]}{suffix}"
+        res, reads[name], events[name] = _run(cli, *common, *opts, "--out", out, device="cuda")
+        assert res.code == 0, res.err
+    cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / f"cpu{suffix}", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    if suffix == ".jsonl":
+        gpu_rows = (tmp_path / f"gpu32{suffix}").read_text().splitlines()[1:]
+        assert gpu_rows == (tmp_path / f"cpu{suffix}").read_text().splitlines()[1:]
+    else:
+        _same_tensors(tmp_path / f"gpu32{suffix}", tmp_path / f"cpu{suffix}")
+    # not per batch (12 vs 3), not per chunk or input (360 vs 120 inputs): per-input rows are
+    # copied back 4,096 at a time, metrics read one scalar each
+    assert len(set(reads.values())) == 1, f"host reads {reads}\n{events['32']}"
+
+
+def test_evaluate_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, digits_posterior, tmp_path):
+    common = ("evaluate", "--posterior", digits_posterior, "--data", "digits:test",
+              "--ood", "noise:uniform", "--rotation", "0,90", "--corruption", "gaussian_noise",
+              "--severity", 3, "--fgsm", "2/255", "--conformal", 0.1, "--samples", 50,
+              "--methods", "map,temp,glm-probit,glm-mc,glm-bridge,bnn-mc", "--quiet")  # fmt: skip
+    reads, events = {}, {}
+    for bs in BATCHES:
+        res, reads[bs], events[bs] = _run(
+            cli, *common, "--batch-size", bs, "--out", tmp_path / f"gpu{bs}.json", device="cuda"
+        )
+        assert res.code == 0, res.err
+    cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.json", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    assert _results(tmp_path / "gpu32.json") == _results(tmp_path / "cpu.json")
+    assert json.loads((tmp_path / "gpu32.json").read_text())["environment"]["device"] == "cuda"
+    # every suite reads its metrics' scalars once: nothing scales with the 12 vs 3 batches
+    assert reads[BATCHES[0]] == reads[BATCHES[1]], f"host reads {reads}\n{events[32]}"
+
+
+@pytest.mark.parametrize("command", ["topk", "conformal"])
+def test_set_commands_on_the_device_equal_cpu(cli, digits_posterior, tmp_path, command):
+    extra = ("--method", "glm-probit", "--score", "raps") if command == "conformal" else ()
+    common = (command, "--posterior", digits_posterior, "--data", "digits:test", *extra, "--quiet")
+    reads = {}
+    for bs in BATCHES:
+        res, reads[bs], _ = _run(
+            cli, *common, "--batch-size", bs, "--out", tmp_path / f"gpu{bs}.json", device="cuda"
+        )
+        assert res.code == 0, res.err
+    cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.json", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    assert _results(tmp_path / "gpu32.json") == _results(tmp_path / "cpu.json")
+    assert reads[BATCHES[0]] == reads[BATCHES[1]], reads
+
+
+@pytest.mark.parametrize("method", ["dirichlet-fvi", "glm-vi", "ggp-vi"])
+def test_fit_vi_runs_on_the_device_and_equals_cpu(cli, digits_ckpt, tmp_path, method):
+    # Posterior maths of these methods on their own device (Dirichlet fVI) or back on the host
+    # after one copy of the features (GLM VI, GGP VI): either way the same file as on the CPU.
+    common = ("fit-vi", "--method", method, "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt,
+              "--data", "digits:train", "--quiet")  # fmt: skip
+    res, _, _ = _run(cli, *common, "--out", tmp_path / "gpu.safetensors", device="cuda")
+    assert res.code == 0, res.err
+    cpu = cli(*common, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    _same_tensors(tmp_path / "gpu.safetensors", tmp_path / "cpu.safetensors")
