@@ -178,3 +178,31 @@ def test_fit_vi_runs_on_the_device_and_equals_cpu(cli, digits_ckpt, tmp_path, me
     cpu = cli(*common, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
     assert cpu.code == 0, cpu.err
     _same_tensors(tmp_path / "gpu.safetensors", tmp_path / "cpu.safetensors")
+
+
+def test_dirichlet_fvi_predictive_on_the_device_equals_cpu_in_few_large_chunks(
+    cli, digits_ckpt, tmp_path, monkeypatch
+):
+    # Minka's fixed point reads its active-row count back once per iteration and chunk: on a GPU
+    # the predictive uses one chunk per matmul block, not the CPU's cache-sized sub-chunks (cut
+    # to ~20 inputs here, so that sub-chunking would read back per 20 inputs: 18 vs 6 chunks).
+    monkeypatch.setattr("bayescli.posterior.vi.dirichlet_fvi.CACHE_CHUNK_ELEMENTS", 2000)
+    post = tmp_path / "dfvi.safetensors"
+    fit = cli("fit-vi", "--method", "dirichlet-fvi", "--model", "builtin:small-cnn", "--checkpoint",
+              digits_ckpt, "--data", "digits:train", "--out", post, "--device", "cpu", "--quiet")  # fmt: skip
+    assert fit.code == 0, fit.err
+    common = ("predict", "--posterior", post, "--data", "digits:test", "--bridge", "--quiet")
+    reads = {}
+    for limit in (360, 120):
+        out = tmp_path / f"gpu{limit}.safetensors"
+        res, reads[limit], events = _run(cli, *common, "--limit", limit, "--out", out, device="cuda")
+        assert res.code == 0, res.err
+    cpu = cli(*common, "--limit", 360, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
+    assert cpu.code == 0, cpu.err
+    # Other chunks, other vector/tail paths of digamma in the last bits; Minka stops a row once
+    # |Δz| ≤ 1e-5·z, so rounding can move its stopping step: α agrees to that tolerance, not to SAME.
+    gpu, _ = load_tensors(tmp_path / "gpu360.safetensors")
+    ref, _ = load_tensors(tmp_path / "cpu.safetensors")
+    for key in ("alpha", "probs"):
+        assert_close(gpu[key], ref[key], rtol=1e-5, atol=1e-12, what=f"{key} on the device")
+    assert reads[360] == reads[120], f"host reads {reads}\n{events}"

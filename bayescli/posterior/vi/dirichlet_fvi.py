@@ -496,7 +496,9 @@ class DirichletFVIPosterior(Posterior):
         if gaussian:
             mean, var = torch.empty_like(alpha), torch.empty_like(alpha)
             cov = torch.empty(n, k, k, dtype=torch.float64, device=device) if full else None
-        sub = max(1, CACHE_CHUNK_ELEMENTS // (self.members * k))
+        # CPU: cache-sized sub-chunks; a GPU wants few large kernels (and Minka's active-set loop
+        # reads its row count back once per iteration and sub-chunk)
+        sub = max(1, CACHE_CHUNK_ELEMENTS // (self.members * k)) if device.type == "cpu" else rows
         for start in range(0, n, rows):
             with torch.no_grad():
                 logits = sample(slice(start, start + rows))
