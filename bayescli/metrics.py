@@ -173,6 +173,8 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
     definitions are scikit-learn's (``roc_curve`` with its collinear points dropped,
     ``roc_auc_score``, ``average_precision_score``), computed on the scores' device.
     """
+    if not len(score_in) or not len(score_out):
+        raise ValueError(f"OOD metrics need both sets: {len(score_in)} in- and {len(score_out)} out-scores")
     s = torch.cat([score_in.double(), score_out.to(score_in.device).double()])
     positive = torch.cat(
         [torch.ones_like(score_in, dtype=torch.bool), torch.zeros_like(score_out, dtype=torch.bool)]

@@ -7,6 +7,7 @@ error is ≤ N·eps ≈ 1e-13 relative; 1e-10 leaves a margin above 1000×.
 import math
 
 import numpy as np
+import pytest
 import torch
 from tolerance import assert_close
 
@@ -197,3 +198,5 @@ def test_ood_metrics_equal_scikit_learn_with_ties_and_the_roc_points():
         assert len(m["roc"]["fpr"]) == len(keep)
         assert_close(m["roc"]["fpr"], fpr[keep], atol=F64, what="roc fpr points")
         assert_close(m["roc"]["tpr"], tpr[keep], atol=F64, what="roc tpr points")
+    with pytest.raises(ValueError, match="both sets"):  # scikit-learn refuses one class too
+        ood_metrics(torch.ones(3), torch.ones(0))
