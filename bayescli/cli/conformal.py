@@ -100,14 +100,15 @@ def conformal_cmd(
         names = model.class_names
         labels = feats.labels.tolist() if feats.labels is not None else None
         sets = sets.cpu()  # one copy, then per-input rows on the host
+        members = [row.nonzero().squeeze(1).tolist() for row in sets]
         per_input = [
             {
                 "index": i,
-                "classes": row.nonzero().squeeze(1).tolist(),
-                "names": [names[j] for j in row.nonzero().squeeze(1).tolist()],
+                "classes": classes,
+                "names": [names[j] for j in classes],
                 **({"label": labels[i]} if labels is not None else {}),
             }
-            for i, row in enumerate(sets)
+            for i, classes in enumerate(members)
         ]
         write_json(out, {**report, "sets": per_input})
     summary = result["summary"]

@@ -85,12 +85,12 @@ def topk_cmd(
         per_input = [
             {
                 "index": i,
-                "classes": s.tolist(),
-                "names": [names[j] for j in s.tolist()],
-                "k": len(s),
+                "classes": classes,
+                "names": [names[j] for j in classes],
+                "k": len(classes),
                 **({"label": labels[i]} if labels is not None else {}),
             }
-            for i, s in enumerate(sets)
+            for i, classes in enumerate(s.tolist() for s in sets)
         ]
         write_json(out, {**report, "sets": per_input})
     rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]

@@ -196,20 +196,24 @@ class WeightGaussian(ABC):
 
 
 class DiagGaussian(WeightGaussian):
-    """Diagonal precision ``h + δ``; ``mean`` and ``h`` of shape ``[K, D+1]`` (heads) or ``[P]``."""
+    """Diagonal precision ``h + δ``; ``mean`` and ``h`` of shape ``[K, D+1]`` (heads) or ``[P]``.
+
+    ``h`` keeps the dtype it was summed in (float64 for last-layer fits), which the marginal
+    likelihood reads; the variances the predictive uses are cached in the mean's dtype."""
 
     structure = "diag"
 
     def __init__(self, mean: torch.Tensor, h: torch.Tensor, delta: float = 1.0) -> None:
         if mean.shape != h.shape:
             raise ValueError(f"mean {list(mean.shape)} and curvature {list(h.shape)} differ")
-        self.mean, self.h, self.delta = mean, h.to(mean.dtype), float(delta)
+        self.mean, self.h, self.delta = mean, h, float(delta)
+        self._refresh()
 
     def _refresh(self) -> None:
-        """Nothing is cached: :meth:`variance` reads ``δ`` directly."""
+        self._variance = (1.0 / (self.h + self.delta)).to(self.mean.dtype)
 
     def variance(self) -> torch.Tensor:
-        return 1.0 / (self.h + self.delta)
+        return self._variance
 
     def log_det_precision(self, delta: float | torch.Tensor) -> torch.Tensor:
         d = torch.as_tensor(delta, dtype=torch.float64, device=self.h.device).reshape(-1, 1)
@@ -251,17 +255,18 @@ class KronGaussian(WeightGaussian):
         a, q_a = torch.linalg.eigh(A.double())
         self.Q_G, self.Q_A = q_g.to(mean.dtype), q_a.to(mean.dtype)
         # Eigenvalues of PSD factors may come out at -1e-16·‖·‖; they are zero in exact arithmetic.
-        self.g, self.a = g.clamp_min(0).to(mean.dtype), a.clamp_min(0).to(mean.dtype)
+        # They stay in float64 (the marginal likelihood's log-determinant reads them).
+        self.g, self.a = g.clamp_min(0), a.clamp_min(0)
         # One GEMM gives both the logit mean and u = Q_Aᵀφ̃ for every input.
         self._mean_and_basis = torch.cat([mean.T, self.Q_A], dim=1)  # [D+1, K + D+1]
         self._Q_G2 = self.Q_G.pow(2).T.contiguous()  # var_k = Σ_i Q_G[k,i]² spectrum_i
         self._refresh()
 
     def _refresh(self) -> None:
-        self.inv_eig = 1.0 / (torch.outer(self.g, self.a) + self.delta)  # [K, D+1]
+        self.inv_eig = (1.0 / (torch.outer(self.g, self.a) + self.delta)).to(self.mean.dtype)  # [K, D+1]
 
     def log_det_precision(self, delta: float | torch.Tensor) -> torch.Tensor:
-        ga = torch.outer(self.g, self.a).double().reshape(1, -1)
+        ga = torch.outer(self.g, self.a).reshape(1, -1)
         d = torch.as_tensor(delta, dtype=torch.float64, device=ga.device).reshape(-1, 1)
         return torch.log(ga + d).sum(-1).reshape(torch.as_tensor(delta).shape)
 
