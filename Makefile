@@ -1,10 +1,14 @@
-# The two commands a user needs: `make demo` and `make test`. Both create or reuse the virtual
-# environment under ~/.cache/bayescli (keyed by the dependency list) and install bayescli into it.
+# The two commands a user needs: `make demo` and `make test`. Both create or reuse the shared
+# dependencies under ~/.cache/bayescli (keyed by the dependency list) and this clone's own .venv/,
+# which runs this clone's code (scripts/env.sh). `make install` says how to put `bayescli` on PATH,
+# or with PREFIX=~/.local links $(PREFIX)/bin/bayescli to this clone's command.
 SHELL := /bin/bash
 ENV = $(shell bash scripts/env.sh)
 DEMO_DIR ?= demo-output
+PREFIX ?=
+prefix = $(patsubst ~/%,$(HOME)/%,$(PREFIX))
 
-.PHONY: demo test lint bench env clean
+.PHONY: demo test lint bench env install clean
 
 env:
 	@bash scripts/env.sh
@@ -16,10 +20,20 @@ test:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks && "$$V/bin/python" -m pytest -q tests
 
 lint:
-	@V="$(ENV)" && "$$V/bin/ruff" check bayescli tests benchmarks
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks
 
 bench:
-	@V="$(ENV)" && "$$V/bin/python" benchmarks/run.py
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" benchmarks/run.py
+
+install:
+	@V="$(ENV)" && test -n "$$V" && if [ -n "$(prefix)" ]; then \
+	  mkdir -p "$(prefix)/bin" && ln -sfn "$$V/bin/bayescli" "$(prefix)/bin/bayescli" \
+	  && echo "$(prefix)/bin/bayescli -> $$V/bin/bayescli (this clone's code)"; \
+	else \
+	  echo "bayescli is $$V/bin/bayescli (this clone's code). Put it on PATH with" \
+	  && echo "  export PATH=\"$$V/bin:\$$PATH\"" \
+	  && echo "or link it from a directory already on PATH: make install PREFIX=~/.local"; \
+	fi
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache

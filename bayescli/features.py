@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +57,20 @@ def check_input_shape(model: LoadedModel, data: Data) -> None:
             f"{data.spec} has inputs of shape {list(data.input_shape)} but {model.spec} expects "
             f"{list(expected)}; use data of the shape the model was trained on"
         )
+
+
+def _check_first_batch(
+    check: Callable[[torch.Tensor], object], model: LoadedModel, data: Data, xb: torch.Tensor
+) -> None:
+    """Run a classifier check on two rows of the first batch ``xb`` (on a whole batch its extra
+    forwards would cost a batch's time); a network that cannot take these inputs is a one-line error."""
+    try:
+        check(xb[:2])
+    except RuntimeError as exc:
+        raise BayescliError(
+            f"{model.spec} cannot process inputs of shape {list(data.input_shape)} "
+            f"({str(exc).splitlines()[0][:160]}); check --data and --model"
+        ) from None
 
 
 def cache_key(model: LoadedModel, data: Data) -> str:
@@ -226,13 +240,7 @@ class FeatureStream:
             for i, (xb, yb) in enumerate(batches):
                 xb = xb.to(dev)
                 if i == 0:
-                    try:  # on two rows: two extra forwards of a whole batch would cost a batch's time
-                        clf.check_split(xb[:2])
-                    except RuntimeError as exc:
-                        raise BayescliError(
-                            f"{self.model.spec} cannot process inputs of shape {list(data.input_shape)} "
-                            f"({str(exc).splitlines()[0][:160]}); check --data and --model"
-                        ) from None
+                    _check_first_batch(clf.check_split, self.model, data, xb)
                 with torch.inference_mode():
                     phi = clf.features(xb)
                     batch = FeatureBatch(
@@ -259,6 +267,59 @@ class FeatureStream:
         """``(phi [B, D], labels [B] or None)`` per batch: what the streaming fit consumes."""
         for batch in self:
             yield batch.phi, batch.labels
+
+
+@dataclass
+class LogitPass:
+    """What one pass of the whole network saw: inputs ``n``, MAP-``correct`` predictions (labelled
+    data), whether all were ``labelled``, and the ``seconds`` it took."""
+
+    n: int = 0
+    correct: int = 0
+    labelled: bool = True
+    seconds: float = 0.0
+
+    @property
+    def accuracy(self) -> float | None:
+        """MAP accuracy (``None`` for unlabelled data)."""
+        return self.correct / self.n if self.labelled and self.n else None
+
+
+def logit_pass(
+    model: LoadedModel, data: Data, batch_size: int = 256, device: torch.device | str = "cpu"
+) -> LogitPass:
+    """Run the whole network over ``data`` once for its MAP accuracy, checking the inputs and the
+    output (:meth:`~bayescli.classifier.Classifier.check_output`) on the first batch.
+
+    For whole-network methods: unlike :class:`FeatureStream` it never needs the last-layer split,
+    so it works when the logits are not linear in the head's weights. Memory: one batch.
+    """
+    check_input_shape(model, data)
+    clf = model.classifier.to(device).eval()
+    dev = torch.device(device)
+    correct = torch.zeros((), dtype=torch.int64, device=dev)
+    finite = torch.ones((), dtype=torch.bool, device=dev)
+    stats = LogitPass()
+    n_batches = (len(data) + batch_size - 1) // batch_size
+    start = time.perf_counter()
+    for i, (xb, yb) in enumerate(track(data.batches(batch_size), n_batches, f"logits {data.spec}")):
+        xb = xb.to(dev)
+        if i == 0:
+            _check_first_batch(clf.check_output, model, data, xb)
+        with torch.inference_mode():
+            logits = clf(xb)
+        stats.n += len(xb)
+        finite &= torch.isfinite(logits).all()  # read once below, not per batch
+        if yb is None:
+            stats.labelled = False
+        else:
+            correct += (logits.argmax(1) == yb.to(dev)).sum()
+    synchronize(dev)
+    stats.seconds = time.perf_counter() - start
+    if not bool(finite):
+        raise BayescliError(f"{model.spec} produced non-finite logits on {data.spec}; check the checkpoint")
+    stats.correct = int(correct)
+    return stats
 
 
 def extract_features(

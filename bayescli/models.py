@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from bayescli.checkpoints import mismatch_message, read_checkpoint, resolve_state_dict
+from bayescli.checkpoints import load_weights, read_checkpoint, resolve_weights
+from bayescli.classifier import SPLIT_TOLERANCE, Classifier, find_head, last_linear_name  # noqa: F401 (re-exported)
 from bayescli.errors import BayescliError, require
 from bayescli.io import sha256_file
+from bayescli.model_args import factory_arguments, parse_model_args
 from bayescli.preprocess import Preprocess
-
-SPLIT_TOLERANCE = 1e-5
 
 # ---------------------------------------------------------------------------------------------
 # builtin architectures
@@ -124,136 +126,21 @@ def mlp(
 
 
 # ---------------------------------------------------------------------------------------------
-# the wrapper
-# ---------------------------------------------------------------------------------------------
-
-
-class _StopForward(Exception):
-    """Raised by a hook to end a forward pass once the head's input is known."""
-
-
-class Classifier(nn.Module):
-    """A network with its input normalisation and a located classification head.
-
-    ``forward(x)`` maps pixel-space inputs ``[N, *input_shape]`` to logits ``[N, K]``;
-    ``features(x)`` returns the head's input ``φ [N, D]``; ``head`` is the ``nn.Linear`` ``D → K``.
-    """
-
-    def __init__(
-        self,
-        net: nn.Module,
-        head_name: str,
-        mean: list[float] | None = None,
-        std: list[float] | None = None,
-    ) -> None:
-        super().__init__()
-        self.net = net
-        self.head_name = head_name
-        modules = dict(net.named_modules())
-        require(head_name in modules, f"no module named '{head_name}' in the model; see --head")
-        head = modules[head_name]
-        require(
-            isinstance(head, nn.Linear),
-            f"head '{head_name}' is a {type(head).__name__}, not nn.Linear; pass --head NAME "
-            "of the final linear layer",
-        )
-        self.head: nn.Linear = head
-        self.register_buffer("mean", torch.tensor(mean if mean else [0.0]))
-        self.register_buffer("std", torch.tensor(std if std else [1.0]))
-
-    @property
-    def num_classes(self) -> int:
-        return self.head.out_features
-
-    @property
-    def feature_dim(self) -> int:
-        return self.head.in_features
-
-    def normalise(self, x: torch.Tensor) -> torch.Tensor:
-        """``(x - mean) / std``: per channel for images ``[N, C, H, W]``, per column for ``[N, D]``."""
-        if x.dim() == 4:
-            return (x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
-        return (x - self.mean) / self.std
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(self.normalise(x))
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Penultimate features ``φ(x)`` ``[N, D]``: the input the head receives."""
-        captured: list[torch.Tensor] = []
-
-        def grab(_module: nn.Module, args: tuple) -> None:
-            captured.append(args[0])
-            raise _StopForward
-
-        handle = self.head.register_forward_pre_hook(grab)
-        try:
-            self.net(self.normalise(x))
-        except _StopForward:
-            pass
-        finally:
-            handle.remove()
-        require(bool(captured), f"the head '{self.head_name}' was never called in forward")
-        phi = captured[0]
-        require(
-            phi.dim() == 2,
-            f"the head '{self.head_name}' receives a {phi.dim()}-D input {list(phi.shape)}; "
-            "bayescli needs [N, D] features, pick another --head",
-        )
-        return phi
-
-    def check_split(self, x: torch.Tensor) -> float:
-        """Verify ``head(features(x))`` reproduces ``forward(x)``; returns the max abs difference.
-
-        Raises :class:`BayescliError` if the difference exceeds ``SPLIT_TOLERANCE`` or if the
-        head is not the last linear layer applied (with a hint naming that layer).
-        """
-        order: list[str] = []
-        handles = [
-            m.register_forward_hook(lambda _m, _a, _o, n=name: order.append(n))
-            for name, m in self.net.named_modules()
-            if isinstance(m, nn.Linear)
-        ]
-        try:
-            with torch.inference_mode():
-                full = self.forward(x)
-        finally:
-            for h in handles:
-                h.remove()
-        with torch.inference_mode():
-            split = self.head(self.features(x))
-        if full.shape != split.shape:
-            raise BayescliError(
-                f"the model's output {list(full.shape)} is not the head's output "
-                f"{list(split.shape)}; pass --head NAME of the final linear layer"
-                + (f" (the last one applied is '{order[-1]}')" if order else "")
-            )
-        if not torch.isfinite(full).all():
-            raise BayescliError(
-                "the model produces non-finite features/logits (NaN or inf) on these inputs; "
-                "check the checkpoint and the input scaling"
-            )
-        diff = (full.float() - split.float()).abs().max().item()
-        if not diff <= SPLIT_TOLERANCE:
-            hint = f" (the last linear layer applied is '{order[-1]}')" if order else ""
-            raise BayescliError(
-                f"head(features(x)) differs from the model's output by {diff:.2e} > "
-                f"{SPLIT_TOLERANCE:g}: '{self.head_name}' is not the final layer{hint}; "
-                "pass --head NAME"
-            )
-        return diff
-
-
-# ---------------------------------------------------------------------------------------------
 # specs and loading
 # ---------------------------------------------------------------------------------------------
 
-SPEC_KINDS = ("timm", "torchvision", "builtin", "py")
+SPEC_KINDS = ("timm", "torchvision", "builtin", "hf", "py")
+# Factory arguments a file may never set: they would fetch weights (from a hub or a path) or change
+# what bayescli itself passes.
+LIBRARY_RESERVED = (
+    "num_classes", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "weights",
+    "progress",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``--model`` value: ``kind:name`` (``py:`` names are ``module:factory``)."""
+    """A parsed ``--model`` value: ``kind:name`` (``py:`` names are ``module:factory``, ``hf:`` a folder)."""
 
     kind: str
     name: str
@@ -264,7 +151,7 @@ class ModelSpec:
         if not sep or kind not in SPEC_KINDS or not name:
             raise BayescliError(
                 f"unknown model spec '{text}'; use timm:NAME, torchvision:NAME, "
-                f"builtin:NAME ({', '.join(builtin_names())}) or py:package.module:factory"
+                f"builtin:NAME ({', '.join(builtin_names())}), hf:FOLDER or py:package.module:factory"
             )
         return cls(kind, name)
 
@@ -272,34 +159,24 @@ class ModelSpec:
         return f"{self.kind}:{self.name}"
 
 
-def last_linear_name(net: nn.Module) -> str:
-    names = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
-    require(bool(names), "the model has no nn.Linear layer to use as classification head")
-    return names[-1]
+def model_factory(spec: ModelSpec) -> Callable[..., nn.Module] | None:
+    """The callable a spec builds its network with (``None`` for ``hf:``, built from its config).
 
-
-def build_network(
-    spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None, kwargs: dict
-) -> nn.Module:
-    """Instantiate ``spec``; ``num_classes=None`` means the architecture's default."""
+    ``py:`` modules are imported with the current directory on the import path, as ``python -m``
+    would find them.
+    """
     if spec.kind == "builtin":
         if spec.name not in _BUILTINS:
             raise BayescliError(
                 f"unknown builtin model '{spec.name}'; choose one of {', '.join(builtin_names())}"
             )
-        require(
-            num_classes is not None and input_shape is not None,
-            "builtin checkpoints carry their input shape in the metadata; this one does not "
-            "(re-create it with `bayescli train`)",
-        )
-        return _BUILTINS[spec.name](num_classes, tuple(input_shape), **kwargs)
+        return _BUILTINS[spec.name]
     if spec.kind == "timm":
         import timm
 
         if spec.name not in timm.list_models():
             raise BayescliError(f"timm has no model '{spec.name}'; see timm.list_models()")
-        extra = {} if num_classes is None else {"num_classes": num_classes}
-        return timm.create_model(spec.name, pretrained=False, **extra, **kwargs)
+        return timm.models.model_entrypoint(spec.name)
     if spec.kind == "torchvision":
         import torchvision
 
@@ -307,20 +184,57 @@ def build_network(
             raise BayescliError(
                 f"torchvision has no model '{spec.name}'; see torchvision.models.list_models()"
             )
-        extra = {} if num_classes is None else {"num_classes": num_classes}
-        return torchvision.models.get_model(spec.name, weights=None, **extra, **kwargs)
+        return torchvision.models.get_model_builder(spec.name)
+    if spec.kind == "hf":
+        return None
     module_name, sep, attr = spec.name.rpartition(":")
     require(
         bool(sep and module_name and attr), f"py spec must be py:package.module:factory, got py:{spec.name}"
     )
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise BayescliError(f"cannot import {module_name}:{attr} ({exc}); check PYTHONPATH") from None
+        raise BayescliError(
+            f"cannot import {module_name}:{attr} ({exc}); run from the folder that holds it or set PYTHONPATH"
+        ) from None
+
+
+def build_network(
+    spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None, kwargs: dict
+) -> nn.Module:
+    """Instantiate ``spec`` with factory ``kwargs``; ``num_classes=None`` means the architecture's default."""
+    if spec.kind == "hf":
+        from bayescli.hf import build_hf_network
+
+        return build_hf_network(Path(spec.name), num_classes)
+    factory = model_factory(spec)
+    if spec.kind == "builtin":
+        require(
+            num_classes is not None and input_shape is not None,
+            "builtin checkpoints carry their input shape in the metadata; this one does not "
+            "(re-create it with `bayescli train`)",
+        )
+        return factory(num_classes, tuple(input_shape), **kwargs)
+    extra = {} if num_classes is None else {"num_classes": num_classes}
+    if spec.kind == "timm":
+        return factory(pretrained=False, **extra, **kwargs)
+    if spec.kind == "torchvision":
+        return factory(weights=None, **extra, **kwargs)
     params = inspect.signature(factory).parameters
     if num_classes is not None and "num_classes" in params:
         kwargs = {**kwargs, "num_classes": num_classes}
-    net = factory(**kwargs)
+    try:
+        net = factory(**kwargs)
+    except TypeError as exc:
+        if "argument" not in str(exc):
+            raise
+        raise BayescliError(
+            f"{spec} cannot be built with {kwargs or 'no arguments'} ({exc}); pass its arguments with "
+            "--model-arg NAME=VALUE"
+        ) from None
     require(isinstance(net, nn.Module), f"py:{spec.name} returned {type(net).__name__}, not an nn.Module")
     return net
 
@@ -343,40 +257,71 @@ class LoadedModel:
         return list(names) if names else [str(i) for i in range(self.classifier.num_classes)]
 
     def describe(self) -> dict:
-        """JSON-ready description, as recorded in every output."""
+        """JSON-ready description, as recorded in every output (and printed by ``bayescli inspect``):
+        spec, checkpoint and hash, how the weights were found (format, container entry, prefixes),
+        factory arguments and their sources, the head and output facts, the preprocessing."""
         return {
             "model": str(self.spec),
             "checkpoint": str(self.checkpoint),
             "checkpoint_sha256": self.sha256,
-            "head": self.classifier.head_name,
-            "num_classes": self.classifier.num_classes,
-            "feature_dim": self.classifier.feature_dim,
+            **self.classifier.describe(),
             **self.source,
             "preprocess": self.preprocess.to_meta(),
         }
 
 
+def _reserved(kind: str) -> tuple[str, ...]:
+    """Factory arguments bayescli sets itself or that would fetch weights: never from a file."""
+    return {"builtin": ("num_classes", "input_shape"), "py": ()}.get(kind, LIBRARY_RESERVED)
+
+
+def _output_key(output: int | str | None) -> int | str | None:
+    """``--output 0`` selects by index, ``--output logits`` by key or attribute."""
+    if isinstance(output, str) and output.lstrip("-").isdigit():
+        return int(output)
+    return output
+
+
 def load_classifier(
     model: str | ModelSpec,
-    checkpoint: str | Path,
+    checkpoint: str | Path | None = None,
     head: str | None = None,
     expected_sha256: str | None = None,
     checkpoint_key: str | None = None,
     preprocess: Preprocess | None = None,
+    *,
+    model_args: list[str] | dict | None = None,
+    file_args: dict | None = None,
+    output: int | str | None = None,
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
-    The state dict is found inside wrappers and freed of wrapper prefixes by
-    :func:`bayescli.checkpoints.resolve_state_dict` (``checkpoint_key`` picks a wrapper entry);
-    what was unwrapped or stripped is in :meth:`LoadedModel.describe`. Raises
-    :class:`BayescliError` for unknown specs, unreadable checkpoints, a hash mismatch with
-    ``expected_sha256``, or weights that do not fit the architecture (naming the first missing,
-    unexpected or mis-shaped keys). ``preprocess`` sets the input recipe; without one, the
-    normalisation a ``bayescli train`` checkpoint carries is used (none for other checkpoints).
+    The checkpoint is read by content (:func:`bayescli.checkpoints.read_checkpoint`: safetensors,
+    torch state dicts, Lightning checkpoints, whole pickled modules read without running their
+    code), and its state dict is matched to the architecture by
+    :func:`bayescli.checkpoints.load_weights` (``checkpoint_key`` picks a wrapper entry). Factory
+    arguments come from ``model_args`` (``["NAME=VALUE", …]`` typed by the factory's signature, or a
+    dict), a Lightning checkpoint's ``hyper_parameters`` (``py:`` factories, as
+    ``load_from_checkpoint`` passes them) and ``file_args`` (recorded in a posterior file), under
+    the rules of :mod:`bayescli.model_args`. ``hf:FOLDER`` specs read the folder's config,
+    weights file (the default ``checkpoint``), preprocessing and class names. ``output`` selects the
+    logits in a non-tensor output. What was read, unwrapped, mapped and passed is in
+    :meth:`LoadedModel.describe`. Raises :class:`BayescliError` for unknown specs, unreadable
+    checkpoints, a hash mismatch with ``expected_sha256``, or weights that do not fit. ``preprocess``
+    sets the input recipe; without one, the recipe the checkpoint carries (a ``bayescli train``
+    normalisation, an HF image processor) is used, else none.
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(model)
+    folder = None
+    if spec.kind == "hf":
+        from bayescli.hf import hf_folder_files
+
+        folder = hf_folder_files(spec.name)
+        checkpoint = checkpoint or folder.weights
+    require(checkpoint is not None, f"--checkpoint is required for {spec} (the weights file as saved)")
     path = Path(checkpoint)
-    content, meta = read_checkpoint(path)
+    ckpt = read_checkpoint(path)
+    meta = dict(ckpt.metadata)
     digest = sha256_file(path)
     if expected_sha256 is not None and digest != expected_sha256:
         raise BayescliError(
@@ -387,33 +332,62 @@ def load_classifier(
         raise BayescliError(
             f"checkpoint {path} was trained as {meta['model']}, not {spec}; pass --model {meta['model']}"
         )
-    kwargs = dict(meta.get("model_kwargs", {}))
+    factory = model_factory(spec)
+    user = parse_model_args(model_args, factory) if isinstance(model_args, list) else dict(model_args or {})
+    args = factory_arguments(
+        factory,
+        from_file={**meta.get("model_kwargs", {}), **(file_args or {})} if factory else None,
+        hyper_parameters=ckpt.hyper_parameters if spec.kind == "py" else None,
+        user=user,
+        strict_file_names=spec.kind in ("builtin", "py"),
+        reserved=_reserved(spec.kind),
+    )
+    if factory is None and user:
+        raise BayescliError(f"--model-arg does not apply to {spec}: its config.json defines the network")
+    kwargs = args.kwargs
     input_shape = tuple(meta["input_shape"]) if meta.get("input_shape") else None
     num_classes = meta.get("num_classes")
     net = build_network(spec, None if spec.kind != "builtin" else num_classes, input_shape, kwargs)
-    resolved = resolve_state_dict(content, _shapes(net), checkpoint_key)
+    if folder is not None:
+        from bayescli.hf import hf_class_names, hf_preprocess, hf_state_dict
+
+        ckpt = replace(ckpt, content=hf_state_dict(net, _tensors(ckpt.content, path)))
+    head_name = head or find_head(net)
     if spec.kind != "builtin":
-        head_name = head or last_linear_name(net)
-        weight = resolved.state.get(f"{head_name}.weight")
-        require(
-            weight is not None and weight.dim() == 2,
-            f"checkpoint {path} has no 2-D '{head_name}.weight' for the head of {spec} "
-            f"({mismatch_message(resolved.state, _shapes(net))}); or pass --head NAME",
-        )
-        if int(weight.shape[0]) != _shapes(net)[f"{head_name}.weight"][0]:
-            net = build_network(spec, int(weight.shape[0]), input_shape, kwargs)
-    problem = mismatch_message(resolved.state, _shapes(net))
-    if problem:
-        raise BayescliError(f"checkpoint {path} does not match {spec}: {problem}")
-    net.load_state_dict(resolved.state, strict=True)
+        # the head's rows are the class count (2-D Linear or 4-D 1×1 conv weight); a checkpoint
+        # without it is explained by load_weights below
+        weight = resolve_weights(net, ckpt, checkpoint_key).state.get(f"{head_name}.weight")
+        built = _shapes(net).get(f"{head_name}.weight")
+        rows = int(weight.shape[0]) if weight is not None and weight.dim() in (2, 4) else None
+        if rows is not None and built is not None and rows != built[0]:
+            net = build_network(spec, rows, input_shape, kwargs)
+    resolved = load_weights(net, ckpt, checkpoint_key, model=str(spec))
     net.eval()
+    source = {**resolved.describe(), **args.describe()}
+    if folder is not None:
+        names = hf_class_names(folder.root)
+        if names:
+            meta["class_names"] = names
+        if preprocess is None:
+            preprocess, notes = hf_preprocess(folder.root)
+            if notes:
+                source["preprocess_notes"] = notes
     if preprocess is None:
         norm = meta.get("normalisation", {})
-        source = "checkpoint" if norm.get("mean") else "none"
-        preprocess = Preprocess(source, norm.get("mean"), norm.get("std"))
-    clf = Classifier(net, head or last_linear_name(net), preprocess.mean, preprocess.std)
+        source_name = "checkpoint" if norm.get("mean") else "none"
+        preprocess = Preprocess(source_name, norm.get("mean"), norm.get("std"))
+    clf = Classifier(net, head_name, preprocess.mean, preprocess.std, output=_output_key(output))
     clf.eval()
-    return LoadedModel(clf, spec, path, digest, meta, resolved.describe(), preprocess)
+    return LoadedModel(clf, spec, path, digest, meta, source, preprocess)
+
+
+def _tensors(content: object, path: Path) -> dict[str, torch.Tensor]:
+    """The flat dict of tensors an HF weights file holds."""
+    require(
+        isinstance(content, dict) and all(isinstance(v, torch.Tensor) for v in content.values()),
+        f"{path} is not a save_pretrained weights file (a flat dict of tensors)",
+    )
+    return content
 
 
 def _shapes(net: nn.Module) -> dict[str, torch.Size]:

@@ -123,4 +123,4 @@ def checkpoint_metadata(
 
 def save_checkpoint(path: str | Path, classifier: Classifier, metadata: dict) -> None:
     """Write the network's state dict (without the wrapper) and ``metadata`` as safetensors."""
-    save_tensors(path, dict(classifier.net.state_dict()), metadata)
+    save_tensors(path, dict(classifier.network.state_dict()), metadata)

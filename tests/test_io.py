@@ -59,8 +59,9 @@ def test_pickled_object_is_never_unpickled(tmp_path):
 def test_plain_state_dict_pt_loads(tmp_path):
     path = tmp_path / "ok.pth"
     torch.save({"state_dict": {"w": torch.ones(3)}}, path)
-    content, meta = read_checkpoint(path)
-    assert torch.equal(content["state_dict"]["w"], torch.ones(3)) and meta == {}
+    ckpt = read_checkpoint(path)
+    assert torch.equal(ckpt.content["state_dict"]["w"], torch.ones(3)) and ckpt.metadata == {}
+    assert ckpt.format == "torch-zip"
 
 
 def test_unknown_checkpoint_format_is_refused(tmp_path):

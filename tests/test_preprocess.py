@@ -98,8 +98,8 @@ def test_recipe_is_recorded_and_reused_by_predict(cli, tmp_path):
     assert json.loads(res.out)["preprocess"] == "none+overrides"
     pred = tmp_path / "pred.safetensors"
     res = cli(
-        "predict", "--posterior", post, "--data", f"npz:{tmp_path / 'd.npz'}", "--link", "none",
-        "--save-logits", "--out", pred, "--quiet",
+        "predict", "--posterior", post, "--model", "py:helpers_models:tiny_mlp",
+        "--data", f"npz:{tmp_path / 'd.npz'}", "--link", "none", "--save-logits", "--out", pred, "--quiet",
     )  # fmt: skip
     assert res.code == 0, res.err
     from safetensors.torch import load_file

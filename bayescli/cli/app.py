@@ -15,6 +15,7 @@ from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
 from bayescli.cli.fit_vi import fit_vi_cmd
+from bayescli.cli.inspect import inspect_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
@@ -52,6 +53,7 @@ _EXIT = (click.exceptions.Exit, typer.Exit)
 _ABORT = (click.exceptions.Abort, typer.Abort)
 _USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
 
+app.command("inspect")(inspect_cmd)
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
 app.command("fit-vi")(fit_vi_cmd)

@@ -66,7 +66,43 @@ CheckpointKey = Annotated[
     typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
 ]
 Head = Annotated[
-    str | None, typer.Option(help="Name of the final linear layer (default: found automatically).")
+    str | None,
+    typer.Option(
+        help="Name of the classification head: a linear layer or a 1×1 convolution before global "
+        "pooling (default: found by get_classifier()/classifier/fc/head, else the last linear layer)."
+    ),
+]
+ModelArg = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model-arg",
+        help="NAME=VALUE passed to the model factory (repeatable; typed by its signature, else JSON), "
+        "e.g. --model-arg hidden=64.",
+    ),
+]
+Output = Annotated[
+    str | None,
+    typer.Option(
+        "--output",
+        help="Which element of a tuple/list/dict/dataclass output holds the logits (index or key); "
+        "default: the one tensor with one column per class.",
+    ),
+]
+ConfirmModel = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="The model spec the posterior names; required to import py: code a file names "
+        "(a file never chooses code to run by itself).",
+    ),
+]
+TrustModelCode = Annotated[
+    bool,
+    typer.Option(
+        "--trust-model-code",
+        help="Import the py: model code named in the posterior file without --model (only for files "
+        "you trust).",
+    ),
 ]
 
 
@@ -129,7 +165,7 @@ def preprocess_from_options(
 
 def load_model_and_data(
     model: str,
-    checkpoint: Path,
+    checkpoint: Path | None,
     head: str | None,
     checkpoint_key: str | None,
     preprocess: Preprocess | None,
@@ -140,11 +176,22 @@ def load_model_and_data(
     seed: int,
     num_workers: int = 0,
     skip_unreadable: bool = False,
+    *,
+    model_args: list[str] | None = None,
+    output: str | None = None,
 ) -> tuple[LoadedModel, Data]:
     """A user's checkpoint and the fitting data, checked against each other."""
     from bayescli.models import load_classifier
 
-    loaded = load_classifier(model, checkpoint, head, checkpoint_key=checkpoint_key, preprocess=preprocess)
+    loaded = load_classifier(
+        model,
+        checkpoint,
+        head,
+        checkpoint_key=checkpoint_key,
+        preprocess=preprocess,
+        model_args=model_args or [],
+        output=output,
+    )
     fit_data = load(data, root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
     check_labels(fit_data, loaded.classifier.num_classes)
     return loaded, fit_data
@@ -186,15 +233,19 @@ def prepare_prediction(
     device: str,
     num_workers: int = 0,
     skip_unreadable: bool = False,
+    *,
+    model: str | None = None,
+    trust_model_code: bool = False,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
-    posterior, the network and the features all sit on ``device`` afterwards."""
+    posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
+    the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`)."""
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 
     dev = resolve_device(device)
     post = load_posterior(posterior, dev)
-    model = post.load_model(checkpoint)
+    model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code)
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes)
     feats = extract_features(model, test, batch_size, dev)

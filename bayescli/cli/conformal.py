@@ -40,6 +40,8 @@ def conformal_cmd(
     samples: Annotated[int, typer.Option(min=1, help="Samples for mc / bnn methods.")] = 1000,
     out: Annotated[Path | None, typer.Option(help="Write the summary and every input's set as JSON.")] = None,
     checkpoint: c.CheckpointOverride = None,
+    model_spec: c.ConfirmModel = None,
+    trust_model_code: c.TrustModelCode = False,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -74,8 +76,9 @@ def conformal_cmd(
         ) from None
     ccfg = ConformalConfig(score_kind, alpha, raps_lambda, raps_kreg)
     post, model, test, feats = c.prepare_prediction(
-        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device
-    )
+        posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
+        model=model_spec, trust_model_code=trust_model_code,
+    )  # fmt: skip
     cal_spec = calibration_data or validation_spec(data)
     if cal_spec == test.spec:
         raise BayescliError(f"--calibration-data {cal_spec} is the test data; use a disjoint split")

@@ -85,6 +85,8 @@ def evaluate_cmd(
         GGPMode, typer.Option(help="GGP expansion point for ggp-* methods.")
     ] = GGPMode.REFINED,
     checkpoint: c.CheckpointOverride = None,
+    model_spec: c.ConfirmModel = None,
+    trust_model_code: c.TrustModelCode = False,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -150,7 +152,9 @@ def evaluate_cmd(
         ),
     )
     posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
-    model = next(iter(posts.values())).load_model(checkpoint)
+    model = next(iter(posts.values())).load_model(
+        checkpoint, model=model_spec, trust_model_code=trust_model_code
+    )
     test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     c.check_labels(test, model.classifier.num_classes)
     report = run_evaluation(posts, model, test, cfg)

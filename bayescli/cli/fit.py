@@ -28,10 +28,16 @@ def parse_prior(text: str) -> float | str:
 
 def fit_laplace_cmd(
     model: Annotated[
-        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME or py:module:factory.")
+        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
     ],
-    checkpoint: Annotated[Path, typer.Option(help=".safetensors (preferred) or state-dict .pt/.pth.")],
     out: Annotated[Path, typer.Option(help="Posterior file to write (.safetensors).")],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help=".safetensors (preferred) or state-dict .pt/.pth. "
+            "Not needed for hf:FOLDER models (their weights file is used)."
+        ),
+    ] = None,
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
     subset: Annotated[Subset, typer.Option(help="Which weights get a posterior.")] = Subset.LAST_LAYER,
     hessian: Annotated[HessianStructure, typer.Option(help="Curvature structure.")] = HessianStructure.KRON,
@@ -51,6 +57,8 @@ def fit_laplace_cmd(
         int, typer.Option(min=0, help="Newton/L-BFGS steps to the GLM mode before fitting (last layer).")
     ] = 0,
     head: c.Head = None,
+    model_args: c.ModelArg = None,
+    output: c.Output = None,
     preprocess: c.PreprocessOpt = None,
     mean: c.Mean = None,
     std: c.Std = None,
@@ -85,7 +93,7 @@ def fit_laplace_cmd(
 
     from bayescli import parallel
     from bayescli.data import validation_spec
-    from bayescli.features import FeatureStream, extract_features
+    from bayescli.features import FeatureStream, LogitPass, extract_features, logit_pass
     from bayescli.metrics import low_accuracy_warning
     from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive.tuning import tune_prior_val_nll
@@ -100,7 +108,7 @@ def fit_laplace_cmd(
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
     loaded, fit_data = c.load_model_and_data(
         model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
-        num_workers, skip_unreadable,
+        num_workers, skip_unreadable, model_args=model_args, output=output,
     )  # fmt: skip
     world = parallel.world()
     full_data = fit_data
@@ -114,14 +122,15 @@ def fit_laplace_cmd(
             feature_cache = feature_cache.with_name(
                 f"{feature_cache.name}.rank{world.rank}-of-{world.size}"
             )
-    # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
-    stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
     batches = features = None
     if subset is Subset.ALL:
-        for _ in stream:  # MAP accuracy (and the input checks) before the all-layer pass
-            pass
+        # MAP accuracy and the input/output checks from the network's logits: whole-network fits
+        # need no feature/head split (the logits may not even be linear in the head's weights)
+        stream: FeatureStream | LogitPass = logit_pass(loaded, fit_data, batch_size, dev)
         batches = fit_data.batches(batch_size)
     else:
+        # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
+        stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
         features = stream.pairs()
     clf = loaded.classifier.to(dev)
     initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below

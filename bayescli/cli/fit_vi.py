@@ -87,11 +87,17 @@ InducingPointsOpt = Annotated[int | None, Opt(min=1, help="GGP VI: inducing poin
 
 def fit_vi_cmd(
     model: Annotated[
-        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME or py:module:factory.")
+        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
     ],
-    checkpoint: Annotated[Path, typer.Option(help=".safetensors (preferred) or a state-dict .pt/.pth/…")],
     out: Annotated[Path, typer.Option(help="Posterior file to write (.safetensors).")],
     method: Annotated[VIMethod, typer.Option(help="Variational family.")],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            help=".safetensors (preferred) or a state-dict .pt/.pth/… "
+            "Not needed for hf:FOLDER models (their weights file is used)."
+        ),
+    ] = None,
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
     val_data: Annotated[
         str | None, typer.Option(help="Validation spec for --select (default: the val split).")
@@ -121,6 +127,8 @@ def fit_vi_cmd(
     prior_precision: PriorPrecisionOpt = None,
     inducing_points: InducingPointsOpt = None,
     head: c.Head = None,
+    model_args: c.ModelArg = None,
+    output: c.Output = None,
     preprocess: c.PreprocessOpt = None,
     mean: c.Mean = None,
     std: c.Std = None,
@@ -181,7 +189,7 @@ def fit_vi_cmd(
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
     loaded, fit_data = c.load_model_and_data(
         model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
-        num_workers, skip_unreadable,
+        num_workers, skip_unreadable, model_args=model_args, output=output,
     )  # fmt: skip
     val = None
     if select:

@@ -103,6 +103,8 @@ def predict_cmd(
         bool, typer.Option("--save-logits", help="Also write logit mean and covariance (.safetensors).")
     ] = False,
     checkpoint: c.CheckpointOverride = None,
+    model_spec: c.ConfirmModel = None,
+    trust_model_code: c.TrustModelCode = False,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -147,6 +149,8 @@ def predict_cmd(
         device,
         num_workers,
         skip_unreadable,
+        model=model_spec,
+        trust_model_code=trust_model_code,
     )
     ggp = None
     if predictive is Predictive.GGP:

@@ -22,6 +22,8 @@ def topk_cmd(
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
     checkpoint: c.CheckpointOverride = None,
+    model_spec: c.ConfirmModel = None,
+    trust_model_code: c.TrustModelCode = False,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -55,6 +57,8 @@ def topk_cmd(
         device,
         num_workers,
         skip_unreadable,
+        model=model_spec,
+        trust_model_code=trust_model_code,
     )
     pred = predict(
         post,

@@ -62,6 +62,7 @@ class Posterior(ABC):
     method: ClassVar[str]
     subset: Subset
     meta: dict
+    path: Path | None = None  # the file it was read from, if any
 
     @property
     def needs_inputs(self) -> bool:
@@ -143,31 +144,45 @@ class Posterior(ABC):
 
     # -- the model it belongs to --------------------------------------------------------------
 
-    def load_model(self, checkpoint: str | Path | None = None) -> LoadedModel:
+    def load_model(
+        self,
+        checkpoint: str | Path | None = None,
+        *,
+        model: str | None = None,
+        trust_model_code: bool = False,
+    ) -> LoadedModel:
         """Re-create the network the posterior was fitted on, verifying the checkpoint's hash.
 
-        ``checkpoint`` overrides the recorded path (the hash must still match).
+        ``checkpoint`` overrides the recorded path (the hash must still match). The file's model
+        spec is used as read unless it names ``py:`` code: that is imported only when ``model``
+        names the same spec or ``trust_model_code`` is set (a shared file must not choose code to
+        run). Recorded factory arguments are passed back under the rules for arguments from files.
         """
+        from bayescli.model_args import check_file_spec
         from bayescli.models import load_classifier
         from bayescli.preprocess import Preprocess
 
         for key in ("model", "checkpoint", "checkpoint_sha256"):
             if key not in self.meta:
                 raise BayescliError(f"the posterior file lacks '{key}'; refit it")
-        model = load_classifier(
-            self.meta["model"],
+        where = getattr(self, "path", None) or "the posterior file"
+        spec = check_file_spec(str(self.meta["model"]), model, trust_model_code, where)
+        loaded = load_classifier(
+            spec,
             checkpoint or self.meta["checkpoint"],
             self.meta.get("head"),
             self.meta["checkpoint_sha256"],
             self.meta.get("checkpoint_key"),
             Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
+            file_args=self.meta.get("model_args"),
+            output=self.meta.get("output"),
         )
-        if model.classifier.num_classes != self.meta.get("num_classes", model.classifier.num_classes):
+        if loaded.classifier.num_classes != self.meta.get("num_classes", loaded.classifier.num_classes):
             raise BayescliError(
                 f"the posterior has {self.meta['num_classes']} classes but the model has "
-                f"{model.classifier.num_classes}; use the matching checkpoint"
+                f"{loaded.classifier.num_classes}; use the matching checkpoint"
             )
-        return model
+        return loaded
 
 
 def posterior_class(method: str) -> type[Posterior]:
@@ -195,6 +210,8 @@ def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Post
         )
     cls = posterior_class(str(meta.get("method", "laplace")))
     try:
-        return cls.from_file(tensors, meta, Path(path))
+        post = cls.from_file(tensors, meta, Path(path))
     except (KeyError, ValueError) as exc:
         raise BayescliError(f"{path} is missing or has malformed entries ({exc}); refit it") from None
+    post.path = Path(path)  # named in messages about the file (e.g. the model code it names)
+    return post

@@ -12,6 +12,7 @@ an isotropic prior precision (prior mean zero).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -181,10 +182,18 @@ class LaplacePosterior(Posterior):
         """Fit over all parameters of ``classifier.net`` on pixel-space ``batches`` (one pass).
 
         The batches are consumed as they come (the curvature is summed per batch); ``full``
-        holds the ``[P, P]`` curvature its maths needs (P ≤ 20,000).
+        holds the ``[P, P]`` curvature its maths needs (P ≤ 20,000). No feature/head split is
+        needed: the logits are those of ``classifier.net``.
         """
+        dev = next(classifier.parameters()).device
+        batches = iter(batches)
+        first = next(batches, None)
+        if first is not None:
+            # which output element is the logits (and whether they are log-probabilities) decides
+            # what ``classifier.net`` returns, so settle it before the curvature copies the network
+            classifier.check_output(first[0][:2].to(dev))
+            batches = itertools.chain([first], batches)
         net = classifier.net
-        dev = next(net.parameters()).device
         log_lik = {"sum": torch.zeros((), dtype=torch.float64, device=dev), "labelled": True}
 
         def normed() -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -1,0 +1,96 @@
+"""``bayescli inspect``: how a checkpoint is read, before anything is fitted on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bayescli.cli import common as c
+
+
+def flatten(info: dict, prefix: str = "") -> list[list[Any]]:
+    """``{"a": {"b": 1}}`` → ``[["a.b", 1]]``: nested facts as table rows (lists joined)."""
+    rows: list[list[Any]] = []
+    for key, value in info.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            rows += flatten(value, f"{name}.")
+        elif isinstance(value, list | tuple):
+            rows.append([name, ", ".join(str(v) for v in value) if value else "—"])
+        elif value != {}:
+            rows.append([name, value])
+    return rows
+
+
+def inspect_cmd(
+    model: Annotated[
+        str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
+    ],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="The checkpoint as saved (not needed for hf:FOLDER)."),
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Optional data spec: adds the MAP accuracy and the output check.")
+    ] = None,
+    head: c.Head = None,
+    model_args: c.ModelArg = None,
+    output: c.Output = None,
+    checkpoint_key: c.CheckpointKey = None,
+    preprocess: c.PreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
+    data_root: c.DataRoot = Path("data"),
+    download: c.Download = False,
+    limit: c.Limit = None,
+    num_workers: c.NumWorkers = 0,
+    skip_unreadable: c.SkipUnreadable = False,
+    batch_size: c.BatchSize = 256,
+    device: c.Device = "auto",
+    seed: c.Seed = 0,
+    quiet: c.Quiet = False,
+    as_json: c.Json = False,
+) -> None:
+    """Show what bayescli reads from a checkpoint: format, container entry, prefixes mapped, factory
+    arguments and hyper-parameters used, head, feature dimension, class count, output kind and
+    preprocessing; with --data also the MAP accuracy (and the low-accuracy warning). Every fit
+    records the same facts in its posterior file.
+
+    Example: bayescli inspect --model py:mynet:Net --checkpoint lightning.ckpt --data mnist:test --limit 500
+    """
+    from bayescli.features import FeatureStream
+    from bayescli.metrics import low_accuracy_warning
+    from bayescli.models import load_classifier
+
+    c.setup(quiet, as_json, seed)
+    dev = c.resolve_device(device)
+    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
+    loaded = load_classifier(
+        model,
+        checkpoint,
+        head,
+        checkpoint_key=checkpoint_key,
+        preprocess=pre,
+        model_args=model_args or [],
+        output=output,
+    )
+    info: dict[str, Any] = {**loaded.describe(), "class_names": loaded.class_names}
+    if data is not None:
+        test = c.load(data, data_root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
+        c.check_labels(test, loaded.classifier.num_classes)
+        stream = FeatureStream(loaded, test, batch_size, dev)
+        for _ in stream:  # the first batch checks the head split and the output kind
+            pass
+        info = {**loaded.describe(), "class_names": loaded.class_names, "data": data, "inputs": stream.n}
+        if stream.accuracy is not None:
+            info["map_accuracy"] = stream.accuracy
+            c.warn(low_accuracy_warning(stream.accuracy, loaded.classifier.num_classes, data))
+    names = info.pop("class_names")
+    rows = flatten(info)
+    rows.append(["class_names", ", ".join(names[:10]) + (f", … ({len(names)})" if len(names) > 10 else "")])
+    c.show(quiet, as_json, c.table(f"{model}", ["", "value"], rows), payload={**info, "class_names": names})
