@@ -40,8 +40,6 @@ _TRANSPARENT = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._Dropo
 # check_split (with a fix for each); every other module after the head is a non-linearity.
 _PROBABILITIES = (nn.Softmax, nn.Softmin, nn.Sigmoid)
 _LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
-HEAD_KINDS = ("linear", "conv1x1-pool")
-OUTPUT_KINDS = ("logits", "log-probabilities")
 
 
 def last_linear_name(net: nn.Module) -> str:
@@ -298,13 +296,14 @@ class Classifier(nn.Module):
 
     ``forward(x)`` maps pixel-space inputs ``[N, *input_shape]`` to logits ``[N, K]`` through ``net``;
     ``features(x)`` returns ``φ [N, D]``; ``head`` is an ``nn.Linear`` ``D → K`` with
-    ``head(features(x)) == forward(x)`` (up to a per-row constant for log-probability outputs).
+    ``head(features(x)) == forward(x)`` once the output has been checked.
 
     ``output`` selects the logits among a tuple/list (index), dict (key) or dataclass (attribute)
-    output; by default the one ``[N, K]`` tensor is used. Which element, and whether the network's
-    output is logits or log-probabilities, is settled by the first forward / :meth:`check_output`
-    (the output kind needs the split, so :meth:`check_output` or :meth:`check_split`); until then
-    ``net`` is the user's network. Run one of them before using ``net`` directly.
+    output; by default the one ``[N, K]`` tensor is used. The first forward settles the element;
+    :meth:`check_output` / :meth:`check_split` also settle whether the output is logits or
+    log-probabilities. Until then ``net`` is the user's network: run one of them on a few inputs
+    before using ``net`` directly (:class:`~bayescli.features.FeatureStream`,
+    :func:`~bayescli.features.logit_pass` and the all-layer Laplace fit do).
     """
 
     def __init__(
@@ -388,10 +387,10 @@ class Classifier(nn.Module):
             raise BayescliError(self._problem)
 
     def describe(self) -> dict:
-        """JSON-ready facts: ``head``, ``head_kind`` (one of :data:`HEAD_KINDS`), ``feature_dim``,
-        ``num_classes``, ``output`` (the selected element, ``None`` for a tensor output),
-        ``output_kind`` (one of :data:`OUTPUT_KINDS`, ``None`` until checked) and
-        ``last_layer_exact``."""
+        """JSON-ready facts: ``head`` (its name), ``head_kind`` (``"linear"`` | ``"conv1x1-pool"``),
+        ``feature_dim`` D, ``num_classes`` K, ``output`` (the selected element's index or key, ``None``
+        for a tensor output), ``output_kind`` (``"logits"`` | ``"log-probabilities"``, ``None`` until
+        checked or when the last layer is inexact) and ``last_layer_exact``."""
         return {
             "head": self.head_name,
             "head_kind": self.head_kind,

@@ -5,7 +5,8 @@ works on the features, which stay on the backbone's device (a GPU keeps them; no
 to the host per batch: the finiteness check and the MAP-accuracy count are summed on the device
 and read once at the end of a pass). :class:`FeatureStream` yields them batch by batch (fitting consumes them
 so, and never holds them all); :func:`extract_features` collects one pass into :class:`Features`
-for the commands that need every score at once (predict, evaluate). A cache is a directory of
+for the commands that need every score at once (predict, evaluate); :func:`logit_pass` runs the whole
+network without the last-layer split, for whole-network fits. A cache is a directory of
 safetensors shards written while the batches stream and read back the same way, keyed by the
 checkpoint's SHA-256, the head and the data provenance, so a stale cache is never reused.
 """
@@ -151,7 +152,9 @@ class FeatureStream:
     batch verifies that ``head(features(x))`` reproduces the full forward pass; a non-finite
     feature anywhere ends the pass with an error after its last batch (checked on the device, read
     once). Batches are on ``device``, cached ones included. Memory: one batch (plus one cache shard
-    of ≤ ``SHARD_BYTES`` when writing a cache).
+    of ≤ ``SHARD_BYTES`` when writing a cache). With ``whole_network`` (posteriors over all layers)
+    a classifier whose logits are not linear in its head's weights yields ``phi [B, 0]`` and the
+    network's own logits, and writes no cache.
     """
 
     def __init__(
@@ -161,8 +164,10 @@ class FeatureStream:
         batch_size: int = 256,
         device: torch.device | str = "cpu",
         cache: str | Path | None = None,
+        whole_network: bool = False,
     ) -> None:
         self.model, self.data, self.batch_size = model, data, batch_size
+        self.whole_network = whole_network
         self.device = torch.device(device)
         self.cache = Path(cache) if cache is not None else None
         self.key = cache_key(model, data)
@@ -237,15 +242,26 @@ class FeatureStream:
         batches = track(data.batches(self.batch_size), n_batches, f"features {data.spec}")
         try:
             start = time.perf_counter()
+            split = True
             for i, (xb, yb) in enumerate(batches):
                 xb = xb.to(dev)
                 if i == 0:
-                    _check_first_batch(clf.check_split, self.model, data, xb)
+                    if self.whole_network:
+                        _check_first_batch(clf.check_output, self.model, data, xb)
+                        split = clf.last_layer_exact
+                    if split:
+                        _check_first_batch(clf.check_split, self.model, data, xb)
+                    elif writer is not None:  # no features to cache for a later last-layer fit
+                        writer.discard()
+                        writer = None
                 with torch.inference_mode():
-                    phi = clf.features(xb)
-                    batch = FeatureBatch(
-                        phi.float(), clf.head(phi).float(), None if yb is None else yb.to(dev)
-                    )
+                    if split:
+                        phi = clf.features(xb)
+                        logits = clf.head(phi)
+                    else:  # logits not linear in the head: whole-network posteriors need no φ
+                        logits = clf(xb)
+                        phi = logits.new_zeros(len(xb), 0)
+                    batch = FeatureBatch(phi.float(), logits.float(), None if yb is None else yb.to(dev))
                 self._count(batch)
                 if writer is not None:
                     writer.add(batch)
@@ -328,14 +344,17 @@ def extract_features(
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     cache: str | Path | None = None,
+    whole_network: bool = False,
 ) -> Features:
     """Run the backbone over ``data`` once and collect φ, logits and labels (``[N, ·]`` in memory).
 
     With ``cache`` (a directory), a matching cache is read instead, and a fresh one written
     otherwise (see :class:`FeatureStream`). Labels come with the batches, so they match the
-    features even when unreadable images were skipped.
+    features even when unreadable images were skipped. ``whole_network`` (for posteriors over all
+    layers): where the logits are not linear in the head's weights, ``phi`` is ``[N, 0]`` and the
+    logits are the network's, instead of the last-layer split's error.
     """
-    stream = FeatureStream(model, data, batch_size, device, cache)
+    stream = FeatureStream(model, data, batch_size, device, cache, whole_network)
     batches = list(stream)
     if not batches:
         raise BayescliError(f"{data.spec} has no readable inputs")

@@ -228,6 +228,18 @@ def test_log_probability_output_serves_the_heads_logits(functional):
     assert torch.equal(jac, expected)
 
 
+def test_log_probabilities_over_a_conv1x1_head_give_its_pooled_logits():
+    torch.manual_seed(0)
+    net = nn.Sequential(ConvHead(), nn.LogSoftmax(dim=1)).eval()
+    clf = Classifier(net, "0.classifier.1")
+    x = _images()
+    with torch.no_grad():
+        assert_below(clf.check_split(x), 1e-5, what="conv head under a log-softmax")
+        assert clf.describe()["output_kind"] == "log-probabilities"
+        # the conv's output averaged over positions vs AdaptiveAvgPool2d: float32, logits ~1
+        assert_close(clf(x), net[0](x), atol=1e-6, what="pooled head logits")
+
+
 def test_all_layer_fit_of_a_log_probability_network_uses_the_logits():
     net, pre_softmax = _log_softmax_net(False)
     clf = Classifier(net, find_head(net))
@@ -437,6 +449,8 @@ def test_all_layer_diag_laplace_on_a_nonlinear_head():
     with torch.no_grad():
         map_logits = net(data.inputs(slice(None)))
     assert stats.n == 24 and stats.correct == int((map_logits.argmax(1) == data.y).sum())
+    labelled_by_map = ArrayData(data.inputs(slice(None)), map_logits.argmax(1), data.class_names)
+    assert logit_pass(model, labelled_by_map, batch_size=10).accuracy == 1.0
     post = fit_laplace(
         model.classifier, batches=data.batches(10), subset="all", structure="diag", prior_precision="auto"
     )

@@ -125,3 +125,39 @@ def test_all_layer_diag_and_full_match_explicit_ggn():
 def test_all_layer_kron_is_refused_with_advice():
     with pytest.raises(BayescliError, match="--hessian diag"):
         all_layer_curvature(tiny_mlp(), iter([]), "kron")
+
+
+class _Concat(torch.nn.Module):
+    """Two branches joined by ``torch.cat`` (as SqueezeNet's Fire modules): BackPACK cannot convert it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = torch.nn.Linear(5, 3), torch.nn.Linear(5, 4), torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(torch.cat([self.a(x), self.b(x)], dim=1)))
+
+
+def test_all_layer_diag_falls_back_to_jacobians_where_backpack_cannot_convert(monkeypatch):
+    from bayescli.posterior import curvature
+
+    net = _Concat().double()
+    x = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(2))
+    jac = autograd_jacobian(net, x)
+    probs = net(x).softmax(-1).detach()
+    # small chunks: the fallback must sum over several Jacobian chunks per batch
+    monkeypatch.setattr(curvature, "_JACOBIAN_FLOATS", 3 * 3 * sum(p.numel() for p in net.parameters()))
+    batches = [(x[:25], y[:25]), (x[25:], y[25:])]
+    diag = all_layer_curvature(net, iter(batches), "diag", "ggn")
+    assert diag.n_data == 40
+    assert_below(rel(diag.diag, explicit_ggn(jac, probs).diagonal()), F64_SUM, what="fallback diag GGN")
+    ef = all_layer_curvature(net, iter(batches), "diag", "ef").diag
+    grads = torch.einsum("nk,nkp->np", probs - torch.nn.functional.one_hot(y, 3).double(), jac)
+    assert_below(rel(ef, grads.square().sum(0)), F64_SUM, what="fallback diag EF")
+    # on a network BackPACK converts, the fallback gives BackPACK's diagonal
+    mlp = tiny_mlp()
+    backpack = all_layer_curvature(mlp, iter(batches), "diag", "ggn").diag
+    gen = torch.Generator().manual_seed(0)
+    fallback = curvature._all_layer_diag_jacobian(mlp, iter(batches), curvature.CurvatureType.GGN, gen).diag
+    assert_below(rel(fallback, backpack), F64_SUM, what="fallback vs BackPACK diag GGN")

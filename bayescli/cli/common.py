@@ -248,7 +248,7 @@ def prepare_prediction(
     model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code)
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes)
-    feats = extract_features(model, test, batch_size, dev)
+    feats = extract_features(model, test, batch_size, dev, whole_network=post.needs_inputs)
     return post, model, test, feats
 
 

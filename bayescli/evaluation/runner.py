@@ -116,7 +116,10 @@ class Evaluator:
         attack_before = self.timings["attack"]
         outs = {}
         with parallel.together():  # an error on any process (say, an unreadable file) ends all
-            feats = extract_features(self.model, local, self.cfg.batch_size, self.cfg.device)
+            whole = all(post.needs_inputs for post in self.posts.values())
+            feats = extract_features(
+                self.model, local, self.cfg.batch_size, self.cfg.device, whole_network=whole
+            )
             # an FGSM view attacks while streaming: its seconds are counted under "attack"
             self.timings["forward"] += feats.seconds - (self.timings["attack"] - attack_before)
             for m in self.methods:

@@ -30,6 +30,7 @@ All-layer curvature always comes from BackPACK (diag) or per-input Jacobians (fu
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -309,11 +310,16 @@ def all_layer_curvature(
     torch.manual_seed(seed)
     gen = devices.generator(next(net.parameters()).device, seed)
     if structure is HessianStructure.DIAG:
-        return _all_layer_diag_backpack(net, inputs, curvature)
+        return _all_layer_diag_backpack(net, inputs, curvature, gen)
     return _all_layer_full(net, inputs, curvature, gen)
 
 
-def _all_layer_diag_backpack(net: nn.Module, inputs: Iterator, curvature: CurvatureType) -> Curvature:
+def _all_layer_diag_backpack(
+    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
+) -> Curvature:
+    """BackPACK's diagonal extensions; networks BackPACK cannot convert or extend (a ``torch.cat``
+    in SqueezeNet's Fire modules, hooks of output adapters) fall back to
+    :func:`_all_layer_diag_jacobian`, which gives the same diagonal from per-input Jacobians."""
     from backpack import backpack, extend
     from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
 
@@ -327,11 +333,8 @@ def _all_layer_diag_backpack(net: nn.Module, inputs: Iterator, curvature: Curvat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = extend(model, use_converter=True)
-    except Exception as exc:  # BackPACK/fx raise many types for unsupported graphs
-        raise BayescliError(
-            f"BackPACK cannot convert this network ({str(exc).splitlines()[0][:160]}); "
-            "use --subset last-layer"
-        ) from None
+    except Exception:  # BackPACK/fx raise many types for graphs they cannot convert
+        return _all_layer_diag_jacobian(net, inputs, curvature, gen)
     loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
     total, n = None, 0
     for x, y in inputs:
@@ -343,13 +346,52 @@ def _all_layer_diag_backpack(net: nn.Module, inputs: Iterator, curvature: Curvat
             try:
                 with backpack(ext()):
                     loss_fn(out, targets).backward()
-            except NotImplementedError as exc:
-                raise BayescliError(
-                    f"BackPACK does not support a module of this network for {field} "
-                    f"({str(exc).splitlines()[0][:160]}); use --subset last-layer"
-                ) from None
+            # BackPACK refuses unsupported modules with NotImplementedError and graphs its converter
+            # could not rewrite (a torch.cat of branches) with an AssertionError on the first backward
+            except (NotImplementedError, AssertionError):
+                if n:  # whatever BackPACK cannot handle, it cannot handle on the first batch
+                    raise
+                return _all_layer_diag_jacobian(net, itertools.chain([(x, y)], inputs), curvature, gen)
         part = torch.cat([getattr(p, field).detach().reshape(-1) for p in model.parameters()])
         total = part if total is None else total + part
+        n += len(x)
+    return Curvature(HessianStructure.DIAG, n, diag=total)
+
+
+# Per-input Jacobians held at once by the fallback: chunk × K × P floats.
+_JACOBIAN_FLOATS = 2**25
+
+
+def _all_layer_diag_jacobian(
+    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
+) -> Curvature:
+    """Diagonal GGN / MC-GGN / empirical Fisher over all parameters from per-input Jacobians.
+
+    ``diag(Jᵀ Λ J) = Σ_k (Jᵀ s_k)²`` with ``Λ = diag(p) − ppᵀ = S Sᵀ``, ``S = diag(√p) − p √pᵀ``
+    (``S Sᵀ = diag(p) − 2ppᵀ + pᵀ1·ppᵀ``); MC-GGN and EF square ``Jᵀ(p − e_y)`` with a sampled or
+    the true label. Exact like BackPACK's extensions, for any network ``torch.func`` can
+    differentiate; the Jacobians ``[n, K, P]`` are formed for chunks of inputs only.
+    """
+    n_params = sum(p.numel() for p in net.parameters())
+    total, n, chunk = None, 0, None
+    for x, y in inputs:
+        if chunk is None:
+            with torch.no_grad():
+                k = net(x[:1]).shape[1]
+            chunk = max(1, _JACOBIAN_FLOATS // (k * n_params))
+        for lo in range(0, len(x), chunk):
+            logits, jac = network_jacobian(net, x[lo : lo + chunk])
+            probs = logits.softmax(-1)
+            if curvature is CurvatureType.GGN:
+                root = torch.diag_embed(probs.sqrt()) - probs[:, :, None] * probs.sqrt()[:, None, :]
+                part = torch.einsum("nkp,nkl->nlp", jac, root).square().sum((0, 1))
+            else:
+                if curvature is CurvatureType.GGN_MC:
+                    labels = torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
+                else:
+                    labels = logits.argmax(1) if y is None else y[lo : lo + chunk]
+                part = torch.einsum("nk,nkp->np", _residual(probs, labels), jac).square().sum(0)
+            total = part if total is None else total + part
         n += len(x)
     return Curvature(HessianStructure.DIAG, n, diag=total)
 
