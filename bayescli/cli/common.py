@@ -202,6 +202,20 @@ def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: Data) -> N
     post.meta |= {**loaded.describe(), "class_names": loaded.class_names, "data": fit_data.info}
 
 
+def model_facts(loaded: LoadedModel) -> dict:
+    """What a fit summary says about how the checkpoint was read: the head, a non-default output
+    (selected element, log-probabilities), and the format, container, prefixes and arguments."""
+    clf = loaded.classifier.describe()
+    facts = {"head": clf["head"]}
+    if clf["head_kind"] != "linear":
+        facts["head_kind"] = clf["head_kind"]
+    if clf["output"] is not None:
+        facts["output"] = clf["output"]
+    if clf["output_kind"] not in (None, "logits"):
+        facts["output_kind"] = clf["output_kind"]
+    return facts | {k: v for k, v in loaded.source.items() if v}
+
+
 def floats(text: str | None, option: str) -> tuple[float, ...] | None:
     """``"0.5,0.5,0.5"`` → ``(0.5, 0.5, 0.5)``; a clear error otherwise."""
     if text is None:

@@ -178,7 +178,7 @@ def fit_laplace_cmd(
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": stream.seconds,
         "preprocess": loaded.preprocess.source,
-        **{k: v for k, v in loaded.source.items() if v},
+        **c.model_facts(loaded),
     }
     if full_data.skipped:
         summary["skipped_unreadable"] = len(full_data.skipped)

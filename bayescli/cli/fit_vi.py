@@ -209,6 +209,7 @@ def fit_vi_cmd(
         **post.summary(),
         "fit_seconds": post.meta.get("fit_seconds"),
         "preprocess": loaded.preprocess.source,
+        **c.model_facts(loaded),
         "warnings": warnings,
     }
     c.show(
