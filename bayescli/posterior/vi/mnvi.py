@@ -47,6 +47,18 @@ VARIANTS = ("noise-only", "mean-and-noise")
 # mean NLL ≈ 1e-3 relative at this size, well below the grid's differences.
 PREDICTIVE_SAMPLES = 256
 _VAR_FLOOR = 1e-20  # keeps √v differentiable where a logit variance is exactly 0
+# What all-layer moment propagation approximates, and how much (benchmarks/mnvi_layers.py on the
+# five C-1 nets of tests/test_mnvi.py, 5·10⁴ per-weight MC draws): the linear/conv rules are exact
+# given independent inputs (adding the dropped covariance term matches MC to 0.3%), so the logit
+# variance error is [002] Assumption 3 (dropped covariances), mostly at the last linear layer,
+# plus the max-pool rule of [002] §3.3.3 (pool-output variance +4–29%, mean biased low).
+VARIANCE_APPROXIMATION = (
+    "diagonal moment propagation drops covariances between units ([002] Assumption 3; conv "
+    "weights shared across positions, hidden units sharing inputs) and uses the max-pool rule of "
+    "[002] 3.3.3; on the C-1 check nets per-logit variance errors are -35%..+44% "
+    "(total logit variance x0.85-1.29), mostly from the last linear layer's dropped covariances "
+    "(benchmarks/mnvi_layers.py)"
+)
 
 
 @dataclass
@@ -357,6 +369,7 @@ class MNVIPosterior(Posterior):
             "variant": self.variant,
             "exact": self.exact,
             "predictive": "closed-form" if self.exact else "moment-propagation",
+            "variance_approximation": None if self.exact else VARIANCE_APPROXIMATION,
             "kl_weight": self.config.get("kl_weight"),
             "prior_var": self.config.get("prior_var"),
             "noise_mean": a.mean().item(),
@@ -389,6 +402,7 @@ _OWN_KEYS = {
     "variant",
     "exact",
     "predictive",
+    "variance_approximation",
     "kl_weight",
     "prior_var",
     "noise_mean",
