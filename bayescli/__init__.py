@@ -17,6 +17,7 @@ from bayescli._version import __version__
 _EXPORTS = {
     "aggregate": "bayescli.predictive.dirichlet",
     "apply_link": "bayescli.predictive.links",
+    "BayescliWarning": "bayescli.errors",
     "beta_marginals": "bayescli.predictive.dirichlet",
     "dirichlet_entropy": "bayescli.predictive.dirichlet",
     "dirichlet_from_samples": "bayescli.predictive.dirichlet",
@@ -31,10 +32,12 @@ _EXPORTS = {
     "load_data": "bayescli.data",
     "log_density": "bayescli.predictive.dirichlet",
     "LogitGaussian": "bayescli.posterior",
+    "LowAccuracyWarning": "bayescli.errors",
     "mean": "bayescli.predictive.dirichlet",
     "mutual_information": "bayescli.predictive.dirichlet",
     "precision": "bayescli.predictive.dirichlet",
     "predict": "bayescli.predictive.glm",
+    "ResizeWarning": "bayescli.errors",
     "uncertainty_topk": "bayescli.predictive.topk",
     "variance": "bayescli.predictive.dirichlet",
 }

@@ -20,3 +20,24 @@ def require(condition: bool, message: str) -> None:
 
 class AllRanksError(BayescliError):
     """Raised on every process of a distributed run with the same message (print it once)."""
+
+
+class BayescliWarning(UserWarning):
+    """A result that is computed but probably wrong (bad preprocessing, a model fed the wrong data).
+
+    The library issues these with :func:`warnings.warn`; the CLI prints each as one ``warning:``
+    line on stderr. Defined here (no torch import) so the CLI entry point can route them cheaply.
+    """
+
+
+class LowAccuracyWarning(BayescliWarning):
+    """MAP accuracy on labelled data is below 50% or within 2× of chance: the model is almost
+    certainly fed wrongly. ``accuracy`` and ``spec`` (the data) ride along for callers."""
+
+    def __init__(self, message: str, accuracy: float | None = None, spec: str | None = None) -> None:
+        super().__init__(message)
+        self.accuracy, self.spec = accuracy, spec
+
+
+class ResizeWarning(BayescliWarning):
+    """The preprocessing resizes the images by more than 2× (e.g. an ImageNet recipe on 32-px inputs)."""

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,9 @@ import torch
 
 from bayescli.data import Data
 from bayescli.devices import synchronize
-from bayescli.errors import BayescliError
+from bayescli.errors import BayescliError, LowAccuracyWarning
 from bayescli.io import load_tensors, save_tensors
+from bayescli.metrics import low_accuracy_warning
 from bayescli.models import LoadedModel
 from bayescli.progress import track
 
@@ -353,12 +355,21 @@ def extract_features(
     features even when unreadable images were skipped. ``whole_network`` (for posteriors over all
     layers): where the logits are not linear in the head's weights, ``phi`` is ``[N, 0]`` and the
     logits are the network's, instead of the last-layer split's error.
+
+    On labelled data that is not :attr:`~bayescli.data.Data.shifted`, a MAP accuracy below 50% or
+    within 2× of chance issues :class:`~bayescli.errors.LowAccuracyWarning` (the model is almost
+    certainly fed wrongly: preprocessing, class order, head).
     """
     stream = FeatureStream(model, data, batch_size, device, cache, whole_network)
     batches = list(stream)
     if not batches:
         raise BayescliError(f"{data.spec} has no readable inputs")
     labels = None if not stream.labelled else torch.cat([b.labels for b in batches])
+    accuracy = stream.accuracy
+    if accuracy is not None and not data.shifted:
+        message = low_accuracy_warning(accuracy, model.classifier.num_classes, data.spec)
+        if message is not None:
+            warnings.warn(LowAccuracyWarning(message, accuracy, data.spec), stacklevel=2)
     return Features(
         torch.cat([b.phi for b in batches]), torch.cat([b.logits for b in batches]), labels, stream.seconds
     )

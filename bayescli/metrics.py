@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from bayescli.errors import LowAccuracyWarning  # noqa: F401 - re-exported: the category of the warning below
+
 ECE_BINS = 15
 PROTOCOL = {
     "ece_bins": ECE_BINS,
@@ -218,4 +220,32 @@ def low_accuracy_warning(acc: float, num_classes: int, where: str) -> str | None
     return (
         f"MAP accuracy on {where} is {acc:.1%} (chance {chance:.1%}): check the preprocessing "
         "(--preprocess / --mean --std --resize --crop), the class order of the data, and the head (--head)"
+    )
+
+
+# A Dirichlet this precise (or this little mutual information) is a point mass: the Gaussian it
+# stands for has logit variances ≈ 0.
+ALPHA0_DEGENERATE = 1e8
+MI_DEGENERATE = 1e-6
+
+
+def near_zero_variance_warning(
+    method: str, mean_alpha0: float, mean_mi: float | None, prior_precision: float | None = None
+) -> str | None:
+    """A warning when a bridge method's mean Dirichlet precision ``α₀`` is astronomically large
+    (> 1e8, or not finite) or its mean mutual information vanishes (< 1e-6), else ``None``.
+
+    Such a posterior's logit variances are ≈ 0 (its prior precision δ is very large): its
+    predictive is the MAP network's, and ``α₀``, MI and the epistemic scores carry no information.
+    """
+    big = not math.isfinite(mean_alpha0) or mean_alpha0 > ALPHA0_DEGENERATE
+    flat = mean_mi is not None and mean_mi < MI_DEGENERATE
+    if not (big or flat):
+        return None
+    mi = "" if mean_mi is None else f", mean mutual information {mean_mi:.3g}"
+    delta = "" if prior_precision is None else f" (δ = {prior_precision:.3g})"
+    return (
+        f"{method}: mean α₀ {mean_alpha0:.3g}{mi}: the posterior's logit variance is near zero, the "
+        f"prior precision is very large{delta}, so the posterior is the MAP point; its uncertainty "
+        "scores (α₀, MI) say nothing (refit with a smaller or tuned prior precision)"
     )

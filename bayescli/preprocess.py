@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from bayescli.errors import BayescliError
+from bayescli.errors import BayescliError, ResizeWarning
 from bayescli.options import Interpolation, PreprocessPreset
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -63,6 +63,24 @@ class Preprocess:
             x = tvf.center_crop(x, [self.crop])
         return x.clamp_(0.0, 1.0)
 
+    def resize_warning(self, shape: tuple[int, ...], downsampling: bool = True) -> str | None:
+        """A one-line warning when :meth:`pixels` scales images of ``shape`` (``[C, H, W]``) by more
+        than 2× (up, or down with ``downsampling``), else ``None``: a recipe made for images of another
+        size (an ImageNet preset on 32-px inputs) costs accuracy, and upsampling also time."""
+        if self.resize is None or len(shape) != 3:
+            return None
+        side = min(int(shape[-2]), int(shape[-1]))
+        factor = self.resize / side
+        if 0.5 <= factor <= 2.0 or not (downsampling or factor > 1):
+            return None
+        how = f"upsamples them {factor:.1f}×" if factor > 1 else f"downsamples them {1 / factor:.1f}×"
+        crop = f", then crops {self.crop} px" if self.crop is not None else ""
+        return (
+            f"the '{self.source}' preprocessing resizes {shape[-2]}×{shape[-1]} inputs to {self.resize} px "
+            f"on the shorter side{crop}: it {how}, a recipe for images of another size; set --resize/--crop "
+            "for these inputs, or --preprocess none"
+        )
+
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The input shape ``[C, H, W]`` after :meth:`pixels` (worked out on one blank channel)."""
         if not self.changes_pixels:
@@ -84,6 +102,17 @@ class Preprocess:
             d[key] = tuple(d[key]) if d.get(key) is not None else None
         d["interpolation"] = Interpolation(d.get("interpolation", "bilinear"))
         return cls(**d)
+
+
+def warn_resize(
+    pre: Preprocess, shape: tuple[int, ...], downsampling: bool = True, stacklevel: int = 3
+) -> None:
+    """Issue :class:`~bayescli.errors.ResizeWarning` when ``pre`` scales ``shape`` by more than 2×."""
+    message = pre.resize_warning(shape, downsampling)
+    if message is not None:
+        import warnings
+
+        warnings.warn(ResizeWarning(message), stacklevel=stacklevel)
 
 
 def _timm(model_name: str) -> Preprocess:

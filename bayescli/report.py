@@ -22,40 +22,54 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bayescli.io import atomic_path  # noqa: E402
 
 CURVE_METRICS = ("accuracy", "nll", "ece", "mmc")
+PANEL_COLUMNS = 4  # reliability panels per row
+ROC_COLUMNS = 2  # ROC panels per row (each with its legend beside it)
+LEGEND_OUTSIDE = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0}
 
 
-def _png(fig) -> bytes:
-    fig.tight_layout()
+def _png(fig, tight: bool = True) -> bytes:
+    if tight:  # figures with nested grids set their own spacing
+        fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
 
+def _grid(n: int, max_cols: int) -> tuple[int, int]:
+    """Rows and columns of a grid of ``n`` panels, at most ``max_cols`` wide."""
+    cols = max(1, min(n, max_cols))
+    return -(-n // cols), cols
+
+
 def _reliability(results: dict) -> bytes:
+    """One panel per method (in-distribution accuracy per confidence bin over the share of inputs
+    in each bin), in a grid of at most ``PANEL_COLUMNS`` columns so that 10+ methods stay
+    readable."""
     methods = list(results["in_distribution"])
-    fig, axes = plt.subplots(
-        2,
-        len(methods),
-        figsize=(3.2 * len(methods), 4.4),
-        squeeze=False,
-        gridspec_kw={"height_ratios": [3, 1]},
-        sharex=True,
-    )
-    for ax, hist, m in zip(axes[0], axes[1], methods, strict=True):
+    rows, cols = _grid(len(methods), PANEL_COLUMNS)
+    fig = plt.figure(figsize=(3.2 * cols, 4.4 * rows))
+    outer = fig.add_gridspec(rows, cols, hspace=0.3, wspace=0.3)
+    for i, m in enumerate(methods):
+        inner = outer[i // cols, i % cols].subgridspec(2, 1, height_ratios=[3, 1], hspace=0.08)
+        ax = fig.add_subplot(inner[0])
+        hist = fig.add_subplot(inner[1], sharex=ax)
         rel = results["in_distribution"][m]["reliability"]
         bins = len(rel["count"])
-        centres = [(i + 0.5) / bins for i in range(bins)]
+        centres = [(j + 0.5) / bins for j in range(bins)]
         acc = [a if c > 0 else 0 for a, c in zip(rel["accuracy"], rel["count"], strict=True)]
         ax.bar(centres, acc, width=1 / bins, edgecolor="black", alpha=0.7, label="accuracy")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set(title=f"{m}: ECE {results['in_distribution'][m]['ece']:.3f}", xlim=(0, 1), ylim=(0, 1))
+        ax.tick_params(labelbottom=False)
         total = max(1.0, sum(rel["count"]))
         hist.bar(centres, [c / total for c in rel["count"]], width=1 / bins, color="grey", edgecolor="black")
         hist.set(xlabel="confidence", xlim=(0, 1))
-    axes[0][0].set_ylabel("accuracy (in-distribution)")
-    axes[1][0].set_ylabel("fraction of inputs")
-    return _png(fig)
+        if i % cols == 0:
+            ax.set_ylabel("accuracy")
+            hist.set_ylabel("share")
+    fig.align_ylabels()
+    return _png(fig, tight=False)
 
 
 def _curves(by_x: dict[float, dict], xlabel: str, title: str) -> bytes:
@@ -66,15 +80,20 @@ def _curves(by_x: dict[float, dict], xlabel: str, title: str) -> bytes:
         for m in methods:
             ax.plot(xs, [by_x[x][m][metric] for x in xs], marker="o", ms=3, label=m)
         ax.set(xlabel=xlabel, title=metric)
-    axes[0].legend(fontsize=7)
+    axes[-1].legend(**LEGEND_OUTSIDE)  # beside the last panel, not over the curves
     axes[0].set_ylabel(title)
     return _png(fig)
 
 
 def _roc(ood: dict) -> bytes:
+    """ROC per OOD set, at most ``ROC_COLUMNS`` panels a row, each legend outside its axes."""
     sets = list(ood)
-    fig, axes = plt.subplots(1, len(sets), figsize=(3.3 * len(sets), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], sets, strict=True):
+    rows, cols = _grid(len(sets), ROC_COLUMNS)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.8 * cols, 3.4 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(sets) :]:
+        ax.set_visible(False)
+    for ax, name in zip(flat, sets, strict=False):
         for m, res in ood[name].items():
             score = (
                 "max_prob" if "max_prob" in res else next(k for k, v in res.items() if isinstance(v, dict))
@@ -82,8 +101,8 @@ def _roc(ood: dict) -> bytes:
             roc = res[score]["roc"]
             ax.plot(roc["fpr"], roc["tpr"], label=f"{m} {score} ({res[score]['auroc']:.3f})")
         ax.plot([0, 1], [0, 1], "k:", lw=1)
-        ax.set(title=f"OOD: {name}", xlabel="FPR", ylabel="TPR (in-distribution)")
-        ax.legend(fontsize=7)
+        ax.set(title=f"OOD: {name}", xlabel="FPR", ylabel="TPR (in-distribution)", aspect="equal")
+        ax.legend(**LEGEND_OUTSIDE)
     return _png(fig)
 
 
@@ -101,7 +120,7 @@ def _conformal(conformal: dict, alpha: float) -> bytes:
         ax.axhline(1 - alpha, color="k", ls=":", lw=1)
         ax.set(title=f"{score} (x: top-k, same size)", xlabel="mean set size")
     axes[0][0].set_ylabel("coverage")
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(**LEGEND_OUTSIDE)
     return _png(fig)
 
 
@@ -144,12 +163,52 @@ def _table(title: str, header: list[str], rows: list[list]) -> str:
     return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
 
 
+def _interval(ci: list[float] | None) -> str:
+    return "" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
+def _recipe(pre: dict | None) -> str:
+    """A preprocessing recipe on one line (``the checkpoint's own`` when none is recorded)."""
+    if not pre:
+        return "the checkpoint's own"
+    return ", ".join(f"{k} {v}" for k, v in pre.items() if v is not None)
+
+
+def _model_section(report: dict) -> str:
+    """What was evaluated: model spec, checkpoint (path and short sha256), classes, the
+    preprocessing of the inputs, and each posterior (method, prior precision, recipe)."""
+    model = report.get("model") or {}
+    sha = str(model.get("checkpoint_sha256", ""))
+    rows = [
+        ["model", model.get("model", "")],
+        ["checkpoint", model.get("checkpoint", "")],
+        ["checkpoint sha256", f"{sha[:12]}…" if sha else ""],
+        ["classes", model.get("num_classes", "")],
+        ["preprocessing", _recipe(model.get("preprocess"))],
+    ]
+    for group in report.get("protocol", {}).get("preprocessing") or []:
+        rows.append([f"preprocessing of {', '.join(group['posteriors'])}", _recipe(group.get("preprocess"))])
+    for tag, post in (report.get("posteriors") or {}).items():
+        facts = [post.get("method"), post.get("subset")]
+        delta = post.get("prior_precision")
+        if delta is not None:
+            facts.append(f"prior precision δ = {delta:.4g}" if isinstance(delta, float) else f"δ = {delta}")
+        if post.get("preprocess"):
+            facts.append(f"fitted with preprocessing {_recipe(post['preprocess'])}")
+        rows.append([f"posterior {tag}", ", ".join(str(f) for f in facts if f is not None)])
+    body = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td class='l'>{html.escape(str(v))}</td></tr>" for k, v in rows
+    )
+    return f"<h2>Model</h2><table>{body}</table>"
+
+
 def render_html(report: dict, images: dict[str, bytes]) -> str:
     """One self-contained HTML page."""
     res = report["results"]
     metrics = ["accuracy", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "mce", "mmc", "entropy"]
     metrics += ["accuracy_at_90", "aurc"]
-    parts = [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in report.get("warnings", [])]
+    parts = [_model_section(report)]
+    parts += [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in report.get("warnings", [])]
     parts.append(
         _table(
             "In-distribution",
@@ -174,8 +233,8 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         )
     if "conformal" in res:
         rows = [
-            [m, score, r["threshold"], r.get("coverage", ""), r["mean_size"], t["threshold"], t["mean_size"]]
-            + [t.get("coverage", "")]
+            [m, score, r["threshold"], r.get("coverage", ""), _interval(r.get("coverage_ci"))]
+            + [r["mean_size"], t["threshold"], t["mean_size"], t.get("coverage", "")]
             for m, per in res["conformal"].items()
             for score, r in per.items()
             for t in [r["topk_same_size"]]
@@ -184,19 +243,23 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         parts.append(
             _table(
                 f"Conformal sets (alpha = {alpha}) and uncertainty-aware top-k at the same mean size",
-                ["method", "score", "q̂", "coverage", "mean size", "top-k T", "top-k size", "top-k coverage"],
+                ["method", "score", "q̂", "coverage", "95% CI (Clopper–Pearson)", "mean size", "top-k T"]
+                + ["top-k size", "top-k coverage"],
                 rows,
             )
         )
     if "link_fidelity" in res:
+        fid = res["link_fidelity"]
+        note = any("undefined" in r for r in fid.values())  # a null row says why
         rows = [
-            [k, *(r.get(key, "") for key in ("kl_mean", "kl_max", "nll", "noise_floor"))]
-            for k, r in res["link_fidelity"].items()
+            [k, *("" if r.get(v) is None else r[v] for v in ("kl_mean", "kl_max", "nll", "noise_floor"))]
+            + ([r.get("undefined", "")] if note else [])
+            for k, r in fid.items()
         ]
         parts.append(
             _table(
                 "Link fidelity: KL(MC ‖ link) on the protocol's test subset (mc: the reference)",
-                ["link", "mean KL", "max KL", "NLL", "MC noise floor"],
+                ["link", "mean KL", "max KL", "NLL", "MC noise floor"] + (["note"] if note else []),
                 rows,
             )
         )
@@ -220,7 +283,7 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>bayescli report</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}img{max-width:100%}"
-        ".warn{color:#a40}"
+        ".warn{color:#a40}td.l{text-align:left}"
         "</style></head><body>"
         f"<h1>bayescli evaluation: {html.escape(report['data']['spec'])}</h1><p>{model}</p>"
         f"{''.join(parts)}{imgs}<h2>Protocol</h2><pre>{proto}</pre></body></html>"

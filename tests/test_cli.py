@@ -290,6 +290,8 @@ def test_corrupt_and_pickled_checkpoints(cli, tmp_path):
     assert "corrupt" in one_error_line(
         cli(
             "fit-laplace",
+            "--data",
+            "digits:train",
             "--model",
             "builtin:small-cnn",
             "--checkpoint",
@@ -305,6 +307,8 @@ def test_corrupt_and_pickled_checkpoints(cli, tmp_path):
     assert "weights-only" in one_error_line(
         cli(
             "fit-laplace",
+            "--data",
+            "digits:train",
             "--model",
             "timm:resnet18",
             "--checkpoint",
@@ -385,3 +389,11 @@ def test_demo_runs_end_to_end(cli, tmp_path):
         "report.json",
         "report.html",
     }
+
+
+@pytest.mark.parametrize("command", ["fit-laplace", "fit-vi"])
+def test_fitting_commands_require_data(cli, digits_ckpt, tmp_path, command):
+    """No silent digits:train default: omitting --data is a usage error naming it."""
+    out = tmp_path / "p.safetensors"
+    res = cli(command, "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt, "--out", out)
+    assert res.code == 2 and "--data" in res.err and not out.exists()

@@ -161,3 +161,20 @@ def test_conformal_cli(cli, digits_posterior, tmp_path):
     ):
         res = cli(*base, *args)
         assert res.code == 2 and needle in res.err, (args, res.err)
+
+
+def test_coverage_interval_is_clopper_pearson():
+    """Issue 23: conformal coverage on a few hundred points comes with its exact binomial 95 %
+    interval (scipy's binomtest is the independent reference), also at the ends 0 and n."""
+    from scipy.stats import binomtest
+
+    for hits, n in [(190, 216), (0, 216), (216, 216), (1, 3), (49, 50)]:
+        ref = binomtest(hits, n).proportion_ci(confidence_level=0.95, method="exact")
+        lo, hi = cp.coverage_interval(hits, n)
+        assert_close(lo, ref.low, rtol=1e-9, atol=1e-12, what=f"lower bound {hits}/{n}")
+        assert_close(hi, ref.high, rtol=1e-9, atol=1e-12, what=f"upper bound {hits}/{n}")
+    sets = torch.zeros(216, 3, dtype=torch.bool)
+    sets[:190, 0] = True
+    out = cp.set_summary(sets, torch.zeros(216, dtype=torch.long))
+    assert out["coverage_ci"] == cp.coverage_interval(190, 216)
+    assert out["coverage_ci"][0] < out["coverage"] < out["coverage_ci"][1]

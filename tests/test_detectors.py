@@ -204,3 +204,24 @@ def test_every_detector_ranks_obvious_ood_lower():
         "auroc"
     ]
     assert auroc > 0.99, f"odin: AUROC {auroc}"
+
+
+def test_covariances_are_formed_in_float64():
+    """Float32 features whose covariance has a few huge and many tiny directions: products in
+    float32 give eigenvalues of −4 against a ridge of 3e-6 (the fit used to abort), in float64 the
+    fit succeeds and matches the float64 fit of the same features; constant features still fail
+    with a clear error."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, k = 2000, 64, 5
+    scales = torch.full((d,), 1e-2, dtype=torch.float64)
+    scales[:2] = 1e4
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    phi = ((torch.randn(n, d, generator=gen, dtype=torch.float64) * scales) @ q.T + 50).float()
+    labels = torch.randint(0, k, (n,), generator=gen)
+    for cls in (det.Mahalanobis, det.RelativeMahalanobis):
+        single, double = cls.fit(phi, labels, k), cls.fit(phi.double(), labels, k)
+        assert_close(single.score(phi[:50]), double.score(phi[:50].double()), rtol=1e-4, atol=1e-6)
+    same = torch.ones(40, d)
+    for cls in (det.Mahalanobis, det.RelativeMahalanobis):
+        with pytest.raises(BayescliError, match="singular"):
+            cls.fit(same, torch.arange(40) % k, k)

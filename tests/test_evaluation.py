@@ -288,8 +288,10 @@ def _schema_leaf(schema: dict, node: dict, path: list[str]) -> dict | None:
     if "$ref" in node:
         node = schema["$defs"][node["$ref"].split("/")[-1]]
     if not path:
-        return node
-    for part in node.get("allOf", []):
+        # a nullable number (e.g. an undefined link fidelity) is described by its number branch
+        numbers = [p for p in node.get("anyOf", []) if p.get("type") in ("number", "integer")]
+        return numbers[0] if numbers else node
+    for part in node.get("allOf", []) + node.get("anyOf", []):
         found = _schema_leaf(schema, part, path)
         if found is not None and found.get("type") in ("number", "integer"):
             return found
@@ -337,10 +339,20 @@ def test_evaluate_baselines_report_schema_and_gates(cli, digits_posterior, tmp_p
     schema = json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
     jsonschema.validate(report, schema)
     assert not any(g["failed"] for g in report["gates"])
-    # every --fail-if path of the report is described by the schema as a number
+    # every --fail-if path of the report is described by the schema as a number, and is one that
+    # the up-front check (before any work) accepts for these options
+    from bayescli.evaluation.baselines import parse_ood_scores
+    from bayescli.evaluation.gates import Gate, check_paths, expected_results
+
+    methods = ["map", "temp", "glm-probit", "glm-bridge-norm"]
+    scores = parse_ood_scores(
+        "msp,entropy,alpha0,mi,maxlogit,energy,mahalanobis,rel-mahalanobis,knn,vim,react,odin"
+    )
+    expected = expected_results(methods, ["patches"], scores, conformal=True, fidelity=True)
     for path in _number_paths(report["results"]):
         leaf = _schema_leaf(schema, schema["properties"]["results"], list(path))
         assert leaf is not None and leaf.get("type") in ("number", "integer"), path
+        check_paths([Gate("", ".".join(path), "<", 0.0)], expected)
     r, proto = report["results"], report["protocol"]
     assert set(r["ood"]["patches"]["map"]) - {"mmc"} == {
         "max_prob", "neg_entropy", "max_logit", "energy", "mahalanobis", "rel_mahalanobis", "knn", "vim",
@@ -352,6 +364,12 @@ def test_evaluate_baselines_report_schema_and_gates(cli, digits_posterior, tmp_p
     assert proto["ood"]["detectors"]["knn"]["fit_points"] == len(load_data("digits:train"))
     assert proto["temperature"]["data"]["spec"] == "digits:val" and proto["temperature"]["temperature"] > 0
     assert r["in_distribution"]["temp"]["nll"] != r["in_distribution"]["map"]["nll"]
+    # temperature scaling never moves an argmax; every method carries the share that moved
+    assert r["in_distribution"]["temp"]["argmax_changed_fraction"] == 0.0
+    assert all(0 <= row["argmax_changed_fraction"] <= 1 for row in r["in_distribution"].values())
+    lac = r["conformal"]["map"]["lac"]  # coverage on 80 test points, with its binomial interval
+    assert lac["coverage_ci"][0] <= lac["coverage"] <= lac["coverage_ci"][1]
+    assert lac["coverage_ci"][1] - lac["coverage_ci"][0] > 0.05
     assert proto["conformal"]["calibration_points"] == 80 and set(r["conformal"]["map"]) == {
         "lac", "aps", "aps-random", "raps",
     }  # fmt: skip
@@ -399,3 +417,246 @@ def test_detectors_are_fitted_on_the_fitting_data_only(digits_posterior):
     for name, d in direct.items():
         expected = ood_metrics(d.score(phi_in), d.score(phi_out))["auroc"]
         assert_close(report[name]["auroc"], expected, atol=1e-12, what=f"{name} fitted on digits:train")
+
+
+def test_fail_if_paths_are_checked_before_any_work(cli, tmp_path):
+    """An unknown --fail-if path exits 2 before any posterior is read (here: one that does not
+    exist), listing the paths the requested evaluation will write."""
+    missing = tmp_path / "nowhere.safetensors"
+    res = cli(
+        "evaluate", "--posterior", missing, "--data", "digits:test", "--ood", "patches",
+        "--methods", "map,glm-probit", "--fail-if", "ood.patches.glm-probit.knn.auroc < 0.5",
+    )  # fmt: skip
+    assert res.code == 2 and "--fail-if path 'ood.patches.glm-probit.knn.auroc'" in res.err
+    assert "ood.patches.glm-probit.max_prob.auroc" in res.err and "nowhere" not in res.err
+    # a suite that was not requested
+    res = cli(
+        "evaluate", "--posterior", missing, "--data", "digits:test", "--fail-if", "rotation.45.map.nll > 1"
+    )
+    assert res.code == 2 and "valid paths" in res.err
+    # a valid path gets past the check (and then fails on the missing file)
+    res = cli(
+        "evaluate", "--posterior", missing, "--data", "digits:test", "--rotation", "0:90:45",
+        "--fail-if", "rotation.45.map.nll > 1",
+    )  # fmt: skip
+    assert res.code == 2 and "--fail-if" not in res.err and "nowhere" in res.err
+
+
+def test_a_detector_that_cannot_be_fitted_leaves_an_empty_cell(cli, digits_posterior, tmp_path, monkeypatch):
+    """Mahalanobis fitted on constant features (a singular covariance even with the ridge): the
+    report still comes out (exit 0), its mahalanobis cells are null with one warning, the other
+    scores are reported, the report validates, and a gate on the empty cell fails."""
+    from importlib.resources import files
+
+    import jsonschema
+
+    from bayescli.evaluation import detectors as det
+
+    fit = det.Mahalanobis.fit.__func__
+    monkeypatch.setattr(
+        det.Mahalanobis,
+        "fit",
+        classmethod(lambda cls, phi, labels, k, ridge=1e-6: fit(cls, torch.ones_like(phi), labels, k, ridge)),
+    )
+    out = tmp_path / "r.json"
+    args = [
+        "evaluate", "--posterior", digits_posterior, "--data", "digits:test", "--limit", "60",
+        "--methods", "map", "--ood", "patches", "--ood-limit", "30", "--fidelity-inputs", "0",
+        "--ood-scores", "msp,mahalanobis,knn", "--out", out,
+    ]  # fmt: skip
+    res = cli(*args)
+    assert res.code == 0, res.err
+    report = json.loads(out.read_text())
+    jsonschema.validate(
+        report, json.loads(files("bayescli").joinpath("schemas/report.schema.json").read_text())
+    )
+    cell = report["results"]["ood"]["patches"]["map"]
+    assert cell["mahalanobis"] is None and cell["knn"]["auroc"] > 0 and cell["max_prob"]["auroc"] > 0
+    assert len(report["warnings"]) == 1 and "mahalanobis could not be fitted" in report["warnings"][0]
+    assert res.err.count("mahalanobis could not be fitted") == 1
+    assert "failed" in report["protocol"]["ood"]["detectors"]["mahalanobis"]
+    res = cli(*args, "--fail-if", "ood.patches.map.mahalanobis.auroc < 0.5")
+    assert res.code == 1 and "no value" in res.err
+
+
+def _fit(cli, ckpt, out, *extra):
+    res = cli(
+        "fit-laplace", "--model", "builtin:small-cnn", "--checkpoint", ckpt, "--data", "digits:train",
+        "--out", out, "--quiet", *extra,
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    return out
+
+
+def _numbers(tree, prefix=()):
+    """``{path: number}`` for every number under ``tree``."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _numbers(sub, (*prefix, key)).items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in _numbers(sub, (*prefix, i)).items()}
+    return {prefix: tree} if isinstance(tree, float | int) and not isinstance(tree, bool) else {}
+
+
+def test_each_posterior_is_evaluated_with_its_own_preprocessing(cli, digits_ckpt, tmp_path):
+    """Two posteriors of one checkpoint fitted with different --mean/--std: evaluated together,
+    each one's numbers equal those of evaluating it alone (its inputs normalised as when it was
+    fitted), and the report records each one's preprocessing."""
+    a = _fit(cli, digits_ckpt, tmp_path / "a.safetensors")
+    b = _fit(cli, digits_ckpt, tmp_path / "b.safetensors", "--mean", "0.3", "--std", "0.5")
+    common = [
+        "--data", "digits:test", "--limit", "90", "--methods", "map,glm-probit,glm-bridge",
+        "--ood", "patches", "--ood-limit", "40", "--ood-scores", "msp,mi", "--rotation", "90",
+        "--conformal", "0.2", "--fidelity-inputs", "32",
+    ]  # fmt: skip
+    reports = {}
+    for name, posts in {"both": [a, b], "a": [a], "b": [b]}.items():
+        out = tmp_path / f"{name}.json"
+        res = cli("evaluate", *[x for p in posts for x in ("--posterior", p)], *common, "--out", out)
+        assert res.code == 0, res.err
+        reports[name] = json.loads(out.read_text())
+    both = reports["both"]
+    assert both["posteriors"]["b"]["preprocess"]["mean"] == [0.3]
+    assert both["posteriors"]["b"]["preprocess"]["std"] == [0.5]
+    assert [g["posteriors"] for g in both["protocol"]["preprocessing"]] == [["a"], ["b"]]
+    assert both["protocol"]["methods"] == [
+        "map",
+        "a/glm-probit",
+        "b/glm-probit",
+        "a/glm-bridge",
+        "b/glm-bridge",
+    ]  # as one run orders them
+    together = _numbers(both["results"])
+    compared = 0
+    for tag in ("a", "b"):
+        alone = _numbers(reports[tag]["results"])
+        for path, value in alone.items():
+            # the alone run's names gain the TAG/ prefix in the joint report (map: A's recipe)
+            if path[0] == "link_fidelity":
+                joint = (path[0], f"{tag}/{path[1]}", *path[2:])
+            elif "map" in path:
+                if tag == "b":
+                    continue
+                joint = path
+            else:
+                joint = tuple(f"{tag}/{p}" if p in ("glm-probit", "glm-bridge") else p for p in path)
+            assert joint in together, joint
+            assert abs(together[joint] - value) <= 1e-6 * max(1.0, abs(value)), (tag, path)
+            compared += 1
+    assert compared > 100
+    # the two recipes really give different predictives
+    nll = both["results"]["in_distribution"]
+    assert abs(nll["a/glm-probit"]["nll"] - nll["b/glm-probit"]["nll"]) > 1e-4
+
+
+def test_overlap_of_data_specs():
+    from bayescli.evaluation.baselines import default_val_spec, overlaps
+
+    train = load_data("digits:train").info
+    assert not overlaps(train, load_data("digits:val").info)
+    assert overlaps(train, load_data("digits:train[:50]").info)
+    assert overlaps(train, {"spec": "digits:train"})
+    assert not overlaps(train, {"spec": "mnist:val"})
+    assert overlaps({**train, "split_seed": 3}, {"spec": "digits:val"})  # another partition
+    part = load_data("digits:val[:50]").info
+    assert not overlaps(part, {"spec": "digits:val[50:]"}) and overlaps(part, {"spec": "digits:val[40:60]"})
+    whole = {"spec": "npz:x.npz", "split": "all"}
+    assert overlaps(whole, {"spec": "npz:x.npz:val"}) and overlaps(whole, {"spec": "npz:x.npz:train"})
+    assert not overlaps(None, {"spec": "digits:val"})
+    # the default validation data: the val split, else a disjoint train split, else val (flagged)
+    assert default_val_spec("digits:train", {"p": train}) == "digits:val"
+    val = load_data("digits:val").info
+    assert default_val_spec("digits:val", {"p": val}) == "digits:train"
+    assert default_val_spec("digits:val", {"p": val, "q": train}) == "digits:val"
+    assert default_val_spec("npz:x.npz", {"p": whole}) == "npz:x.npz:val"
+
+
+def test_temperature_tuned_on_fitting_data_is_flagged(cli, digits_posterior, digits_ckpt, tmp_path):
+    """``temp`` with T tuned on data overlapping the fitting data: a warning, a line under the
+    table and ``overlaps_fitting_data`` in the protocol; with a disjoint default split, none."""
+    common = ["--data", "digits:test", "--limit", "60", "--methods", "map,temp", "--fidelity-inputs", "0"]
+    out = tmp_path / "r.json"
+    res = cli("evaluate", "--posterior", digits_posterior, *common, "--out", out)
+    assert res.code == 0, res.err
+    proto = json.loads(out.read_text())["protocol"]["temperature"]
+    assert proto["data"]["spec"] == "digits:val" and proto["overlaps_fitting_data"] == []
+    assert "tuned on fitting data" not in res.out + res.err
+    # --val-data the fitting data itself
+    res = cli(
+        "evaluate", "--posterior", digits_posterior, *common, "--val-data", "digits:train", "--out", out
+    )
+    assert res.code == 0, res.err
+    report = json.loads(out.read_text())
+    assert report["protocol"]["temperature"]["overlaps_fitting_data"] == ["post"]
+    assert "T tuned on fitting data" in res.out
+    assert any("temp: T was tuned on digits:train" in w for w in report["warnings"])
+    assert "temp: T was tuned on digits:train" in res.err
+    # a posterior fitted on digits:val: T by default on the disjoint digits:train, not flagged
+    post = tmp_path / "val.safetensors"
+    res = cli(
+        "fit-laplace", "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt, "--data", "digits:val",
+        "--out", post, "--quiet",
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    res = cli("evaluate", "--posterior", post, *common, "--out", out)
+    assert res.code == 0, res.err
+    report = json.loads(out.read_text())
+    assert report["protocol"]["temperature"]["data"]["spec"] == "digits:train"
+    assert report["protocol"]["temperature"]["overlaps_fitting_data"] == []
+    assert not any("tuned" in w for w in report["warnings"])
+
+
+def test_a_method_that_changes_more_than_half_a_percent_of_argmaxes_is_flagged():
+    """Issue 23: a link that moves decisions (probit: accuracy 0.8335 → 0.8245) is flagged once,
+    with the per-method share of inputs whose class differs from MAP's; 0.5 % is the bar."""
+    from bayescli.evaluation.methods import MethodOutput
+    from bayescli.evaluation.runner import argmax_changes
+
+    logits = torch.zeros(1000, 3)
+    logits[:, 0] = 1.0
+    moved = torch.zeros(1000, 3)
+    moved[:, 0] = 1.0
+    moved[:9, 1] = 2.0  # 9 of 1000 inputs change class
+    few = torch.zeros(1000, 3)
+    few[:, 0] = 1.0
+    few[:5, 2] = 2.0  # 5 of 1000: exactly 0.5 %, not above it
+    outs = {
+        name: MethodOutput(x.softmax(-1), {}, {})
+        for name, x in {"map": logits, "glm-probit": moved, "glm-bridge": few}.items()
+    }
+    rows = {name: {"accuracy": 0.8} for name in outs}
+    lines = argmax_changes(rows, outs, logits)
+    assert rows["map"]["argmax_changed_fraction"] == 0.0
+    assert rows["glm-probit"]["argmax_changed_fraction"] == pytest.approx(0.009)
+    assert rows["glm-bridge"]["argmax_changed_fraction"] == pytest.approx(0.005)
+    assert len(lines) == 1 and lines[0].startswith("glm-probit changes the predicted class of 0.90%")
+
+
+def test_a_near_zero_variance_bridge_posterior_is_explained():
+    """Issue 23: glm-bridge with mean α₀ 3.1e15 and MI ≈ 0 gets a warning naming the cause (logit
+    variance ≈ 0: δ very large, the posterior is the MAP) and δ; an ordinary one gets none."""
+    from types import SimpleNamespace
+
+    from bayescli.evaluation.methods import MethodOutput, expand_methods
+    from bayescli.evaluation.runner import degenerate_posteriors
+    from bayescli.metrics import near_zero_variance_warning
+
+    line = near_zero_variance_warning("glm-bridge", 3.1e15, 0.0, 1e8)
+    assert "logit variance is near zero" in line and "δ = 1e+08" in line and "MAP" in line
+    assert near_zero_variance_warning("glm-bridge", 50.0, 1e-7) is not None  # MI alone vanishes
+    assert near_zero_variance_warning("glm-bridge", float("inf"), None) is not None
+    assert near_zero_variance_warning("glm-bridge", 50.0, 0.05, 1.0) is None
+
+    methods = expand_methods(parse_methods("map,glm-bridge"), ["post"], False)
+    n = 10
+
+    def outs(alpha0: float, mi: float) -> dict:
+        bridge = {"alpha0": torch.full((n,), alpha0), "neg_mutual_information": torch.full((n,), -mi)}
+        return {
+            "map": MethodOutput(torch.full((n, 2), 0.5), {}, {}),
+            "glm-bridge": MethodOutput(torch.full((n, 2), 0.5), bridge, {}),
+        }
+
+    post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": 1e8})}
+    lines = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
+    assert len(lines) == 1 and lines[0].startswith("glm-bridge: mean α₀ 3.1e+15") and "δ = 1e+08" in lines[0]
+    assert degenerate_posteriors(methods, outs(40.0, 0.02), post) == []

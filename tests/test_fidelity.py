@@ -6,6 +6,7 @@ import torch
 from scipy.special import expit, softmax
 from tolerance import assert_below, assert_close
 
+from bayescli.options import BridgeCorrection
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
 from bayescli.predictive.fidelity import fidelity_inputs, link_fidelity
@@ -77,3 +78,22 @@ def test_fidelity_inputs_budget():
     assert fidelity_inputs(100, 10, "diag", 256, 10_000) == 100
     assert fidelity_inputs(10_000, 1000, "eig", 256, 10_000) == 8  # 2e10 / (1e4 · 1e6) → the minimum
     assert fidelity_inputs(10_000, 1000, "diag", 256, 10_000) == 256
+
+
+def test_a_degenerate_bridge_is_null_with_a_reason_never_nan():
+    """Issue 23: at logit variances ≈ 0 (a huge prior precision δ) the norm-corrected bridge's
+    Dirichlet is not finite; its fidelity row is null with the reason, not NaN, and the report
+    (JSON) holds no NaN."""
+    import json
+
+    rng = np.random.default_rng(1)
+    mu = torch.from_numpy(rng.normal(0, 3, (20, 5)))
+    lg = LogitGaussian(mu, torch.full_like(mu, 1e-10))
+    assert not torch.isfinite(dirichlet.mean(bridge(lg, BridgeCorrection.NORM))).all()  # the case
+    res, warnings = link_fidelity(lg, torch.zeros(20, dtype=torch.long), 500, seed=0)
+    row = res["bridge-norm"]
+    assert row["kl_mean"] is None and row["kl_max"] is None and row["nll"] is None
+    assert "logit variances ≈ 0" in row["undefined"] and "20 of 20" in row["undefined"]
+    assert any(w.startswith("link fidelity of bridge-norm: undefined") for w in warnings)
+    json.dumps(res, allow_nan=False)  # raises on any NaN or infinity
+    assert res["bridge"]["kl_mean"] > 0  # the other links keep their numbers

@@ -81,7 +81,7 @@ def test_bridge_link_returns_the_native_dirichlet(vi_posteriors, tmp_path, cli):
 
 def test_fit_vi_rejects_options_of_other_methods(digits_ckpt, tmp_path, cli):
     res = cli("fit-vi", "--method", "mnvi", "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt,
-              "--tau", "0.5", "--out", tmp_path / "x.safetensors")  # fmt: skip
+              "--data", "digits:train", "--tau", "0.5", "--out", tmp_path / "x.safetensors")  # fmt: skip
     assert res.code == 2 and "does not apply to --method mnvi" in res.err
     assert not (tmp_path / "x.safetensors").exists()
 

@@ -272,6 +272,8 @@ def test_cli_fit_vi_glm_vi_and_predict(cli, tmp_path):
     assert res.code == 0, res.err
     res = cli(
         "fit-vi",
+        "--data",
+        "digits:train",
         "--method",
         "glm-vi",
         "--model",

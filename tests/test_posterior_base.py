@@ -118,8 +118,11 @@ def test_evaluate_compares_several_posteriors_on_one_pass(digits_posterior, toy_
     ind = report["results"]["in_distribution"]
     assert set(ind) == {"map", "post/glm-probit", "toy/glm-probit"}
     assert report["protocol"]["methods"] == ["map", "post/glm-probit", "toy/glm-probit"]
-    assert report["posteriors"]["toy"] == {"method": "toy", "subset": "last-layer", "c": 3.0,
-                                           "fit_data": report["posteriors"]["post"]["fit_data"]}  # fmt: skip
+    toy = dict(report["posteriors"]["toy"])
+    # each posterior's own preprocessing is recorded (the toy copies the Laplace file's header)
+    assert toy.pop("preprocess") == report["posteriors"]["post"]["preprocess"]
+    assert toy == {"method": "toy", "subset": "last-layer", "c": 3.0,
+                   "fit_data": report["posteriors"]["post"]["fit_data"]}  # fmt: skip
     assert report["posteriors"]["post"]["method"] == "laplace"
     # One backbone pass per input set, shared by both posteriors: test + OOD inputs.
     assert report["timings"]["forward_inputs"] == 120

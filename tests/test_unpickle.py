@@ -158,6 +158,8 @@ def test_code_in_place_of_a_submodule_never_runs(tmp_path, cli):
     _save(net, path)
     res = cli(
         "fit-laplace",
+        "--data",
+        "digits:train",
         "--model",
         f"py:{__name__}:CNN",
         "--checkpoint",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Annotated
 
 import click
@@ -19,7 +20,7 @@ from bayescli.cli.inspect import inspect_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
-from bayescli.errors import AllRanksError, BayescliError
+from bayescli.errors import AllRanksError, BayescliError, BayescliWarning
 
 app = typer.Typer(
     name="bayescli",
@@ -80,7 +81,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None) -> None:
     try:
-        rv = app(args=argv, standalone_mode=False)
+        # the library's warnings (a preset resizing the images more than 2×, …) become one
+        # `warning:` line each on stderr; the commands print their own low-accuracy line
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", BayescliWarning)
+            warnings.showwarning = common.library_warnings(warnings.showwarning)
+            rv = app(args=argv, standalone_mode=False)
     except _EXIT as exc:
         sys.exit(exc.exit_code)
     except _USAGE as exc:

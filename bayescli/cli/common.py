@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -253,7 +255,8 @@ def prepare_prediction(
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
     posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
-    the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`)."""
+    the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`).
+    Labelled data with a low MAP accuracy prints a warning."""
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 
@@ -263,6 +266,7 @@ def prepare_prediction(
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes)
     feats = extract_features(model, test, batch_size, dev, whole_network=post.needs_inputs)
+    warn_low_accuracy(feats.logits, feats.labels, f"the data {test.spec}")
     return post, model, test, feats
 
 
@@ -303,6 +307,62 @@ def warn(message: str | None) -> None:
     """Print a one-line warning on stderr (kept off stdout, which --json reserves), on rank 0."""
     if message and is_main_process():
         typer.echo(f"warning: {message}", err=True)
+
+
+def library_warnings(fallback: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints each distinct :class:`~bayescli.errors.BayescliWarning`
+    once as a ``warning:`` line (so a resize warning shows once per command, however many sets are
+    loaded) and hands other warnings to ``fallback``. :class:`~bayescli.errors.LowAccuracyWarning`
+    is dropped: the commands print their own, naming the role of the data (fitting, test)."""
+    from bayescli.errors import BayescliWarning, LowAccuracyWarning
+
+    shown: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if not issubclass(category, BayescliWarning):
+            fallback(message, category, filename, lineno, file, line)
+        elif not issubclass(category, LowAccuracyWarning) and str(message) not in shown:
+            shown.add(str(message))
+            warn(str(message))
+
+    return show
+
+
+@contextmanager
+def low_accuracy_seen() -> Iterator[list]:
+    """Collect the :class:`~bayescli.errors.LowAccuracyWarning` s issued inside the block (their
+    ``accuracy`` and ``spec``) instead of showing them; other warnings pass through."""
+    import warnings
+
+    from bayescli.errors import LowAccuracyWarning
+
+    seen: list = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", LowAccuracyWarning)
+        outer = warnings.showwarning
+
+        def show(message, category, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+            if issubclass(category, LowAccuracyWarning):
+                seen.append(message)
+            else:
+                outer(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield seen
+
+
+def low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str = "the data") -> str | None:
+    """The low-MAP-accuracy warning for ``logits [N, K]``, ``labels [N]`` (``None``: fine, or no labels)."""
+    from bayescli.metrics import accuracy, low_accuracy_warning
+
+    if labels is None or not len(labels):
+        return None
+    return low_accuracy_warning(accuracy(logits, labels), logits.shape[-1], where)
+
+
+def warn_low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str) -> None:
+    """Print :func:`low_accuracy`'s warning, if any (``where`` names the data and its role)."""
+    warn(low_accuracy(logits, labels, where))
 
 
 def fmt(value: Any) -> str:

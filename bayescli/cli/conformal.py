@@ -86,6 +86,8 @@ def conformal_cmd(
     c.check_labels(cal, model.classifier.num_classes)
     dev = c.resolve_device(device)
     cal_feats = extract_features(model, cal, batch_size, dev)
+    if not c.low_accuracy(feats.logits, feats.labels):  # else the test data's warning said it
+        c.warn_low_accuracy(cal_feats.logits, cal_feats.labels, f"the calibration data {cal.spec}")
     cfg = EvalConfig(methods=[], samples=samples, seed=seed, batch_size=batch_size, data_root=data_root,
                      download=download, device=dev)  # fmt: skip
     result, sets = standalone_conformal(
@@ -116,7 +118,11 @@ def conformal_cmd(
         write_json(out, {**report, "sets": per_input})
     summary = result["summary"]
     topk = summary["topk_same_size"]
-    rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
+    rows = [
+        [k, f"[{v[0]:.4f}, {v[1]:.4f}]" if k == "coverage_ci" else v]
+        for k, v in summary.items()
+        if not isinstance(v, dict)
+    ]
     rows += [[f"top-k at same size: {k}", v] for k, v in topk.items()]
     if "temperature" in result:
         rows.append(["temperature", result["temperature"]["temperature"]])

@@ -113,9 +113,9 @@ def evaluate_cmd(
     from bayescli.data.shifts import parse_angles
     from bayescli.evaluation.attacks import parse_epsilons
     from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
-    from bayescli.evaluation.gates import check_gates, parse_gate
-    from bayescli.evaluation.methods import parse_methods
-    from bayescli.evaluation.runner import EvalConfig, run_evaluation
+    from bayescli.evaluation.gates import check_gates, check_paths, parse_gate
+    from bayescli.evaluation.methods import expand_methods, parse_methods
+    from bayescli.evaluation.runner import EvalConfig, preprocess_key, run_grouped
     from bayescli.io import write_json
     from bayescli.metrics import low_accuracy_warning
     from bayescli.posterior.base import load_posterior
@@ -151,13 +151,23 @@ def evaluate_cmd(
             fidelity_inputs=fidelity_inputs,
         ),
     )
+    if gates:  # before any posterior, model or data is loaded
+        check_paths(gates, _expected(cfg, posterior, expand_methods))
     posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
-    model = next(iter(posts.values())).load_model(
-        checkpoint, model=model_spec, trust_model_code=trust_model_code
-    )
-    test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
-    c.check_labels(test, model.classifier.num_classes)
-    report = run_evaluation(posts, model, test, cfg)
+    # one model and test set per preprocessing recipe: each posterior sees its own inputs
+    recipes: dict[str, dict] = {}
+    for tag, post in posts.items():
+        recipes.setdefault(preprocess_key(post), {})[tag] = post
+    groups = []
+    for members in recipes.values():
+        model = next(iter(members.values())).load_model(
+            checkpoint, model=model_spec, trust_model_code=trust_model_code
+        )
+        test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
+        c.check_labels(test, model.classifier.num_classes)
+        groups.append((members, model, test))
+    model, test = groups[0][1], groups[0][2]
+    report = run_grouped(groups, cfg)
     report["posterior_file"] = str(posterior[0])
     report["posterior_files"] = {tag: str(p) for tag, p in zip(posts, posterior, strict=True)}
     if report["map_accuracy"] is not None:
@@ -175,6 +185,7 @@ def evaluate_cmd(
     if html_out is not None and c.is_main_process():
         write_report(report, html_path=html_out)
     res = report["results"]
+    notes = _footnotes(report)
     tables = [
         c.metrics_table(
             f"in-distribution: {test.spec}",
@@ -194,14 +205,14 @@ def evaluate_cmd(
                 }
                 for m, v in res["in_distribution"].items()
             },
-        )
+        ),
+        *notes,
     ]
     if "ood" in res:
         for name, per in res["ood"].items():
-            scores = list(dict.fromkeys(s for r in per.values() for s, d in r.items() if isinstance(d, dict)))
-            rows = [
-                [m, *(r[s]["auroc"] if s in r else None for s in scores), r["mmc"]] for m, r in per.items()
-            ]
+            # a null cell: a detector that could not be fitted (a warning says why)
+            scores = list(dict.fromkeys(s for r in per.values() for s in r if s != "mmc"))
+            rows = [[m, *((r.get(s) or {}).get("auroc") for s in scores), r["mmc"]] for m, r in per.items()]
             tables.append(c.table(f"OOD {name}: AUROC by score", ["method", *scores, "MMC"], rows))
     if "conformal" in res:
         rows = [
@@ -209,6 +220,7 @@ def evaluate_cmd(
                 m,
                 score,
                 r["coverage"],
+                _interval(r.get("coverage_ci")),
                 r["mean_size"],
                 r["topk_same_size"]["mean_size"],
                 r["topk_same_size"]["coverage"],
@@ -219,18 +231,20 @@ def evaluate_cmd(
         tables.append(
             c.table(
                 f"conformal sets, alpha = {conformal}",
-                ["method", "score", "coverage", "mean size", "top-k size", "top-k coverage"],
+                ["method", "score", "coverage", "95% CI", "mean size", "top-k size", "top-k coverage"],
                 rows,
             )
         )
     if "link_fidelity" in res:
+        fid = res["link_fidelity"]
+        note = any("undefined" in r for r in fid.values())  # a null row says why
         rows = [
             [link, r.get("kl_mean"), r.get("kl_max"), r.get("nll"), r.get("noise_floor")]
-            for link, r in res["link_fidelity"].items()
+            + ([r.get("undefined", "")] if note else [])
+            for link, r in fid.items()
         ]
-        tables.append(
-            c.table("link fidelity: KL(MC ‖ link)", ["link", "mean", "max", "NLL", "MC noise floor"], rows)
-        )
+        columns = ["link", "mean", "max", "NLL", "MC noise floor"] + (["note"] if note else [])
+        tables.append(c.table("link fidelity: KL(MC ‖ link)", columns, rows))
     for suite in ("rotation", "fgsm"):
         if suite in res:
             keys = list(res[suite])
@@ -246,7 +260,7 @@ def evaluate_cmd(
     for g in outcomes:
         tables.append(
             f"[{'red' if g['failed'] else 'green'}]{'FAILED' if g['failed'] else 'passed'}: "
-            f"{g['condition']} (value {g['value']:.4f})"
+            f"{g['condition']} ({_value(g['value'], '.4f')})"
         )
     for line in report["warnings"]:
         c.warn(line)
@@ -254,11 +268,80 @@ def evaluate_cmd(
     failed = [g for g in outcomes if g["failed"]]
     if failed:
         typer.echo(
-            "gate failed: " + "; ".join(f"{g['condition']} (value {g['value']:.4g})" for g in failed),
+            "gate failed: " + "; ".join(f"{g['condition']} ({_value(g['value'], '.4g')})" for g in failed),
             err=True,
         )
         return 1
     return 0
+
+
+def _footnotes(report: dict) -> list[str]:
+    """Lines under the in-distribution table for what the reader must not take at face value."""
+    from rich.markup import escape
+
+    lines = []
+    temperature = report["protocol"].get("temperature") or {}
+    if temperature.get("overlaps_fitting_data"):
+        lines.append(
+            "[yellow]temp: T tuned on fitting data[/yellow] "
+            + escape(
+                f"({temperature['data'].get('spec')} overlaps the fitting data of "
+                f"{', '.join(temperature['overlaps_fitting_data'])}); pass a disjoint --val-data"
+            )
+        )
+    groups = report["protocol"].get("preprocessing") or []
+    for group in groups:
+        pre = group["preprocess"]
+        pixels = (
+            f", resize {pre.get('resize')}, crop {pre.get('crop')}"
+            if pre.get("resize") or pre.get("crop")
+            else ""
+        )
+        also = " (and map, temp, the detectors)" if group is groups[0] else ""
+        lines.append(
+            escape(
+                f"preprocessing of {', '.join(group['posteriors'])}{also}: "
+                f"mean {pre.get('mean')}, std {pre.get('std')}{pixels}"
+            )
+        )
+    return lines
+
+
+def _interval(ci: list[float] | None) -> str:
+    """A coverage interval as ``[lo, hi]`` (4 decimals), or an empty cell."""
+    return "" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
+def _value(value: float | None, fmt: str) -> str:
+    return "no value: see the warnings" if value is None else f"value {value:{fmt}}"
+
+
+def _expected(cfg, paths: list[Path], expand_methods) -> dict:
+    """The results' skeleton for these options (method names prefixed with the file stems'
+    tags as ``tagged_posteriors`` makes them when there are several posteriors)."""
+    import re
+
+    from bayescli.evaluation.gates import expected_results
+
+    tags: list[str] = []
+    for path in paths:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or "posterior"
+        tag, n = base, 1
+        while tag in tags:
+            n += 1
+            tag = f"{base}-{n}"
+        tags.append(tag)
+    methods = [m.name for m in expand_methods(cfg.methods, tags)]
+    return expected_results(
+        methods,
+        ood=cfg.ood,
+        ood_scores=cfg.baselines.ood_scores,
+        rotations=[f"{a:g}" for a in cfg.rotations],
+        corruptions={n: [str(s) for s in cfg.severities] for n in cfg.corruptions},
+        epsilons=[label for label, _ in cfg.epsilons],
+        conformal=cfg.baselines.conformal is not None,
+        fidelity=bool(cfg.baselines.fidelity_inputs) and any(m.predictive is not None for m in cfg.methods),
+    )
 
 
 def report_cmd(

@@ -27,6 +27,7 @@ def parse_prior(text: str) -> float | str:
 
 
 def fit_laplace_cmd(
+    data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train (required).")],
     model: Annotated[
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
     ],
@@ -38,7 +39,6 @@ def fit_laplace_cmd(
             "Not needed for hf:FOLDER models (their weights file is used)."
         ),
     ] = None,
-    data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
     subset: Annotated[Subset, typer.Option(help="Which weights get a posterior.")] = Subset.LAST_LAYER,
     hessian: Annotated[HessianStructure, typer.Option(help="Curvature structure.")] = HessianStructure.KRON,
     curvature: Annotated[

@@ -86,6 +86,7 @@ InducingPointsOpt = Annotated[int | None, Opt(min=1, help="GGP VI: inducing poin
 
 
 def fit_vi_cmd(
+    data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train (required).")],
     model: Annotated[
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
     ],
@@ -98,7 +99,6 @@ def fit_vi_cmd(
             "Not needed for hf:FOLDER models (their weights file is used)."
         ),
     ] = None,
-    data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train.")] = "digits:train",
     val_data: Annotated[
         str | None, typer.Option(help="Validation spec for --select (default: the val split).")
     ] = None,
@@ -153,6 +153,8 @@ def fit_vi_cmd(
     --data digits:train --select --out mnvi.safetensors
     """
     from bayescli.data import validation_spec
+    from bayescli.features import logit_pass
+    from bayescli.metrics import low_accuracy_warning
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -195,7 +197,15 @@ def fit_vi_cmd(
     if select:
         val = c.load(val_data or validation_spec(data), data_root, download, None, seed, loaded.preprocess)
         c.check_labels(val, loaded.classifier.num_classes)
-    post = vi_method(method).fit(loaded, fit_data, val, cfg, dev, batch_size)
+    map_accuracy = None
+    if subset is Subset.ALL:  # whole-network fits may never extract the fitting data's features
+        map_accuracy = logit_pass(loaded, fit_data, batch_size, dev).accuracy
+    with c.low_accuracy_seen() as seen:  # the library's warnings on the sets the fit extracted
+        post = vi_method(method).fit(loaded, fit_data, val, cfg, dev, batch_size)
+    if map_accuracy is None:
+        map_accuracy = next((w.accuracy for w in seen if w.spec == fit_data.spec), None)
+    if map_accuracy is not None:
+        c.warn(low_accuracy_warning(map_accuracy, loaded.classifier.num_classes, f"the fitting data {data}"))
     c.record_provenance(post, loaded, fit_data)
     post.save(out)
     # selection and prior searches leave a "warning" in their metadata block (e.g. an edge of the grid)

@@ -189,9 +189,20 @@ def predict_cmd(
         method: classification_summary(pred.probs, feats.labels),
     }
     extra = dirichlet_fields(pred.alpha) if pred.alpha is not None else {}
+    note = None
     if extra:
         results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
         results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
+        from bayescli.metrics import near_zero_variance_warning
+
+        delta = post.summary().get("prior_precision")
+        note = near_zero_variance_warning(
+            method,
+            results[method]["mean_alpha0"],
+            results[method]["mean_mutual_information"],
+            delta if isinstance(delta, int | float) and not isinstance(delta, bool) else None,
+        )
+        c.warn(note)
     report = {
         "schema_version": 1,
         "kind": "prediction",
@@ -208,6 +219,8 @@ def predict_cmd(
         "results": results,
         "timings": pred.timings,
     }
+    if note is not None:
+        report["warnings"] = [note]
     row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
     if out is not None and out.suffix == ".jsonl":
         write_jsonl(out, report, rows(pred.probs, feats.labels, model.class_names, row_extra))

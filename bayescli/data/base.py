@@ -176,6 +176,7 @@ class Data:
         self._labelled = source.labels is not None
         self._transforms: tuple[_Transform, ...] = ()
         self._shape = tuple(source.shape)
+        self._shifted = False
         self.num_workers, self.skip_unreadable = num_workers, skip_unreadable
         self._live_cache: tuple[int, torch.Tensor] | None = None
 
@@ -220,6 +221,13 @@ class Data:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return self._shape
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the inputs were moved away from the stored set on purpose (a rotation, corruption,
+        attack or shifted copy): low accuracy is expected there, so :func:`extract_features` does not
+        warn about it."""
+        return self._shifted
 
     @property
     def num_classes(self) -> int:
@@ -367,6 +375,7 @@ class Data:
         labels: bool = False,
         workers: bool = True,
         shape: tuple[int, ...] | None = None,
+        shift: bool = True,
     ) -> Data:
         """A view whose inputs are ``fn(x)`` for each batch ``x [B, ...]`` (applied while iterating).
 
@@ -374,9 +383,12 @@ class Data:
         row (so the numbers depend on the batch size but not on the workers). ``labels``: ``fn``
         also gets ``y=``. ``workers=False`` runs ``fn`` in the main process (e.g. it uses a model).
         ``shape``: the new input shape (default: unchanged). ``fn`` must be picklable for workers
-        started by ``spawn`` (a module-level function or a ``functools.partial`` of one).
+        started by ``spawn`` (a module-level function or a ``functools.partial`` of one). ``shift``:
+        ``fn`` moves the inputs away from the data (see :attr:`shifted`); ``False`` for a change of
+        representation such as the model's resize/crop recipe or a reshape.
         """
         view = self._view()
+        view._shifted = self._shifted or shift
         view._transforms = (*self._transforms, _Transform(fn, seed, labels, workers))
         view._shape = tuple(shape) if shape is not None else self._shape
         return view
@@ -399,6 +411,7 @@ class Data:
         source.unreadable = self.source.unreadable
         view = self._view()
         view.source = source
+        view._shifted = True
         view.info.update(info)
         return view
 

@@ -21,7 +21,7 @@ import torch
 from bayescli.data import sources
 from bayescli.data.base import Data
 from bayescli.errors import BayescliError
-from bayescli.preprocess import Preprocess
+from bayescli.preprocess import Preprocess, warn_resize
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0
@@ -206,7 +206,8 @@ def load_data(
             idx = torch.randperm(len(data), generator=gen)[:limit].sort().values
             data = data.subset(idx, limit=limit, limit_seed=seed)
     if pre.changes_pixels and not data.info.get("preprocessed"):
-        data = data.map_inputs(pre.pixels, shape=pre.output_shape(data.input_shape))
+        warn_resize(pre, data.input_shape)
+        data = data.map_inputs(pre.pixels, shape=pre.output_shape(data.input_shape), shift=False)
     data.check_finite()
     if len(data) == 0:
         raise BayescliError(f"{parsed} is empty")

@@ -23,7 +23,7 @@ import torch
 
 from bayescli.data.base import ArrayData, Data, Source, UnreadableItem
 from bayescli.errors import BayescliError
-from bayescli.preprocess import Preprocess
+from bayescli.preprocess import Preprocess, warn_resize
 
 
 def _missing(name: str, root: Path, expected: str) -> BayescliError:
@@ -139,6 +139,9 @@ def imagefolder(path: Path, pre: Preprocess | None = None) -> Data:
     pre = pre if pre is not None and pre.changes_pixels else None
     size = _header_size(paths)
     if pre is not None:
+        # photos are routinely larger than a model's input: only upsampling (judged on the first
+        # image) is suspicious here
+        warn_resize(pre, (3, *size), downsampling=False, stacklevel=5)
         size = tuple(pre.pixels(torch.zeros(1, 1, *size)).shape[-2:])
     info: dict = {"source": str(path), "image_size": list(size)}
     if pre is not None:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bayescli.data import Data, load_data, validation_spec
+from bayescli.data import Data, DataSpec, load_data
+from bayescli.data.registry import DEFAULT_SPLIT_SEED
 from bayescli.errors import BayescliError
 from bayescli.evaluation import detectors as det
 from bayescli.evaluation.methods import Method, MethodOutput
@@ -102,14 +103,86 @@ def _fit_spec(posterior: Posterior, bc: BaselineConfig) -> tuple[str, int | None
     return str(info["spec"]), info.get("limit"), int(info.get("limit_seed", 0))
 
 
-class Baselines:
-    """Fits what the requested baselines need, once, and scores every input set."""
+def _rows(info: dict) -> range | None:
+    """The split's rows that ``info`` keeps by an index range (``None``: all of them)."""
+    rows = info.get("rows")
+    if rows is None:
+        return None
+    lo, hi = rows
+    return range(*slice(lo, hi).indices(int(info.get("rows_of") or 0)))
 
-    def __init__(self, posterior: Posterior, model: LoadedModel, cfg: EvalConfig) -> None:
+
+def overlaps(fit: dict | None, other: dict) -> bool:
+    """Whether the data described by ``other`` (a ``Data.info``, or ``{"spec": …}``) may share
+    rows with the fitting data recorded as ``fit``.
+
+    Different sources count as disjoint; the same source overlaps unless the two are different
+    splits of one seeded partition (same split seed) or disjoint index ranges of one split. A
+    whole source (split ``all``) overlaps each of its splits. Unknown fitting data: no claim.
+    """
+    if not fit or not fit.get("spec") or not other.get("spec"):
+        return False
+    a, b = DataSpec.parse(str(fit["spec"])), DataSpec.parse(str(other["spec"]))
+    if (a.name, a.path) != (b.name, b.path):
+        return False
+    split_a, split_b = fit.get("split", a.split), other.get("split", b.split)
+    if split_a in (None, "all") or split_b in (None, "all"):
+        return True
+    seed_a = int(fit.get("split_seed", DEFAULT_SPLIT_SEED))
+    seed_b = int(other.get("split_seed", DEFAULT_SPLIT_SEED))
+    if split_a != split_b:
+        return seed_a != seed_b  # another seed partitions the source differently
+    rows_a = _rows(fit)
+    rows_b = _rows(other) if "rows" in other else _spec_rows(b, fit)
+    if rows_a is None or rows_b is None or not fit.get("rows_of"):
+        return True
+    return max(rows_a.start, rows_b.start) < min(rows_a.stop, rows_b.stop)
+
+
+def _spec_rows(spec: DataSpec, like: dict) -> range | None:
+    """``spec``'s index range over a split as long as the one ``like`` records."""
+    if spec.rows is None or not like.get("rows_of"):
+        return None
+    return range(*slice(*spec.rows).indices(int(like["rows_of"])))
+
+
+def default_val_spec(fit_spec: str, fitted: dict[str, dict | None], test: dict | None = None) -> str:
+    """The labelled data ``temp`` fits ``T`` on by default: the fitting source's ``val`` split,
+    or its ``train`` split when ``val`` overlaps a posterior's fitting data (``fitted``: tag →
+    recorded fitting data) and ``train`` does not, nor the test data. Overlap left is flagged."""
+    parsed = DataSpec.parse(fit_spec)
+    candidates = [str(parsed.with_split(split)) for split in ("val", "train")]
+    for spec in candidates:
+        info = {"spec": spec}
+        if not any(overlaps(f, info) for f in fitted.values()) and not (test and overlaps(test, info)):
+            return spec
+    return candidates[0]
+
+
+class Baselines:
+    """Fits what the requested baselines need, once, and scores every input set.
+
+    ``fitted`` (tag → recorded fitting data) names every posterior of the comparison, so that the
+    temperature's validation data can be checked against (and by default chosen apart from) all
+    of their fitting data; ``test`` is the test data's description.
+    """
+
+    def __init__(
+        self,
+        posterior: Posterior,
+        model: LoadedModel,
+        cfg: EvalConfig,
+        fitted: dict[str, dict | None] | None = None,
+        test: dict | None = None,
+    ) -> None:
         self.model, self.cfg, self.bc = model, cfg, cfg.baselines
+        fitted = {"posterior": posterior.meta.get("data")} if fitted is None else fitted
         self.timings: dict[str, float] = {}
         self.temperature: TemperatureFit | None = None
+        self.temperature_overlap: list[str] = []  # tags whose fitting data T's data overlaps
         self.detectors: dict[str, object] = {}
+        self.failed: dict[str, str] = {}  # detector → why it could not be fitted (its cells are null)
+        self.warnings: list[str] = []
         self.fit_info: dict | None = None
         names = {m.name for m in cfg.methods}
         wanted = [s for s in FITTED if s in self.bc.ood_scores] if cfg.ood and "map" in names else []
@@ -121,8 +194,15 @@ class Baselines:
             self.fit_info = fit[0].info
             self._fit_detectors(wanted, *fit)
         if "temp" in names:
-            val = self.bc.val_data or validation_spec(_fit_spec(posterior, self.bc)[0])
+            val = self.bc.val_data or default_val_spec(_fit_spec(posterior, self.bc)[0], fitted, test)
             data, feats = self._features(val, None, 0, None, "val_forward")
+            self.temperature_overlap = [tag for tag, f in fitted.items() if overlaps(f, data.info)]
+            if self.temperature_overlap:
+                self.warnings.append(
+                    f"temp: T was tuned on {data.spec}, which overlaps the fitting data of "
+                    + ", ".join(f"{t} ({(fitted[t] or {}).get('spec')})" for t in self.temperature_overlap)
+                    + "; its calibration is not out-of-sample (pass a disjoint --val-data)"
+                )
             if feats.labels is None:
                 raise BayescliError(
                     f"{data.spec} has no labels; temperature scaling needs labelled --val-data"
@@ -164,7 +244,15 @@ class Baselines:
         }
         for name in wanted:
             start = time.perf_counter()
-            self.detectors[name] = makers[name]()
+            try:
+                self.detectors[name] = makers[name]()
+            except (BayescliError, torch.linalg.LinAlgError) as err:
+                # one detector that cannot be fitted leaves empty cells, not an aborted report
+                self.failed[name] = " ".join(str(err).split())
+                why = self.failed[name]
+                self.warnings.append(
+                    f"{name} could not be fitted on {data.spec} ({why}); its OOD cells are null"
+                )
             self.timings[f"fit.{name}"] = time.perf_counter() - start
 
     def score(self, outs: dict[str, MethodOutput], feats: Features, data: Data) -> None:
@@ -179,6 +267,8 @@ class Baselines:
                 if "energy" in selected:
                     out.scores["energy"] = det.energy(logits)
             if name == "map":
+                for key in self.failed:
+                    out.scores[key] = None
                 for key, detector in self.detectors.items():
                     start = time.perf_counter()
                     out.scores[key] = detector.score(feats.phi)
@@ -203,6 +293,7 @@ class Baselines:
         """Which scores, where, with which hyperparameters and fitting data."""
         params: dict = {"energy": {"temperature": 1.0}} if "energy" in self.bc.ood_scores else {}
         params |= {name: d.params() for name, d in self.detectors.items()}
+        params |= {name: {"failed": why} for name, why in self.failed.items()}
         if "odin" in self.bc.ood_scores:
             params["odin"] = {
                 "temperature": self.bc.odin_temperature,
@@ -222,7 +313,12 @@ class Baselines:
     def temperature_protocol(self) -> dict | None:
         if self.temperature is None:
             return None
-        return {**self.temperature.info(), "data": self.temperature_data}
+        return {
+            **self.temperature.info(),
+            "data": self.temperature_data,
+            "data_from": "--val-data" if self.bc.val_data else "default",
+            "overlaps_fitting_data": list(self.temperature_overlap),
+        }
 
 
 def calibration_extras(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -278,6 +374,7 @@ def conformal_suite(
         "calibration_points": n_cal,
         "test_points": n - n_cal,
         "threshold": "ceil((n+1)(1-alpha))-th smallest calibration score",
+        "coverage_ci": f"{cp.COVERAGE_LEVEL:.0%} Clopper-Pearson interval over the test points",
         "scores": {s.value: cp.ConformalConfig(s, alpha).info() for s in cp.ConformalScore},
         "topk": "uncertainty-aware top-k on the glm-bridge Dirichlet of the method's posterior (map, "
         "temp: the first), T chosen for the same mean set size",
@@ -286,7 +383,12 @@ def conformal_suite(
 
 
 def fidelity_suite(
-    posteriors: dict[str, Posterior], model: LoadedModel, feats: Features, test: Data, cfg: EvalConfig
+    posteriors: dict[str, Posterior],
+    model: LoadedModel,
+    feats: Features,
+    test: Data,
+    cfg: EvalConfig,
+    prefix: bool | None = None,
 ) -> tuple[dict, dict, list[str]]:
     """``KL(MC ‖ link)`` on a seeded subset of the test inputs (GLM logit Gaussians), for every
     link of every posterior (rows ``TAG/link`` when there are several); warnings for the links
@@ -313,12 +415,12 @@ def fidelity_suite(
         rows, lines = link_fidelity(
             lg.slice(slice(0, keep)), labels, FIDELITY_SAMPLES, cfg.seed, KL_WARNING, used
         )
-        prefix = f"{tag}/" if len(posteriors) > 1 else ""
-        results |= {prefix + link: row for link, row in rows.items()}
-        warnings += [f"{tag}: {line}" if prefix else line for line in lines]
+        pre = f"{tag}/" if (len(posteriors) > 1 if prefix is None else prefix) else ""
+        results |= {pre + link: row for link, row in rows.items()}
+        warnings += [f"{tag}: {line}" if pre else line for line in lines]
         inputs[tag] = keep
     protocol = {
-        "inputs": next(iter(inputs.values())) if len(inputs) == 1 else inputs,
+        "inputs": next(iter(inputs.values())) if len(inputs) == 1 and not prefix else inputs,
         "samples": FIDELITY_SAMPLES,
         "seed": cfg.seed,
         "predictive": "glm",

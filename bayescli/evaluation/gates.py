@@ -8,6 +8,7 @@ that matches. ``OP`` is one of ``< <= > >=``. A condition that *holds* is a fail
 from __future__ import annotations
 
 import operator
+import os
 import re
 from dataclasses import dataclass
 
@@ -52,12 +53,16 @@ def resolve(tree: dict, path: str) -> float:
     """The number at ``path`` (longest-key matching at each level)."""
     node, rest = tree, path
     while rest:
+        if node is None:
+            raise LookupError(path)  # inside a null cell: a detector that could not be fitted
         if not isinstance(node, dict):
             raise KeyError(path)
         keys = sorted((k for k in node if rest == k or rest.startswith(k + ".")), key=len, reverse=True)
         if not keys:
             raise KeyError(path)
         node, rest = node[keys[0]], rest[len(keys[0]) + 1 :]
+    if node is None:
+        raise LookupError(path)  # a null cell: a detector that could not be fitted
     if isinstance(node, bool) or not isinstance(node, int | float):
         raise KeyError(path)
     return float(node)
@@ -75,7 +80,122 @@ def check_gates(results: dict, gates: list[Gate]) -> list[dict]:
             raise BayescliError(
                 f"--fail-if path '{gate.path}' is not in the results; valid paths: {shown}"
             ) from None
+        except LookupError:
+            # no value (a detector that could not be fitted): the gate fails rather than pass silently
+            outcomes.append({"condition": gate.text, "value": None, "failed": True})
+            continue
         outcomes.append(
             {"condition": gate.text, "value": value, "failed": bool(_OPS[gate.op](value, gate.threshold))}
         )
     return outcomes
+
+
+# --- checking paths before any work --------------------------------------------------------
+# A skeleton of the results an evaluation will write: nested dicts whose leaves are None
+# (a number); ANY stands for any key (a subtree the options cannot predict, e.g. conformal rows).
+ANY = "*"
+SUMMARY = ("accuracy", "nll", "brier", "ece", "mmc", "entropy")
+IN_DISTRIBUTION = (
+    *SUMMARY,
+    "classwise_ece",
+    "adaptive_ece",
+    "mce",
+    "accuracy_at_50",
+    "accuracy_at_80",
+    "accuracy_at_90",
+    "aurc",
+    "argmax_changed_fraction",
+)
+DETECTION = ("auroc", "aupr_in", "aupr_out", "fpr95")
+_MAP_ONLY = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react", "odin")
+_LOGITS = ("max_logit", "energy")
+_POSTERIOR_ONLY = ("alpha0", "neg_mutual_information")
+
+
+def _leaves(keys: tuple[str, ...]) -> dict:
+    return dict.fromkeys(keys)
+
+
+def expected_results(
+    methods: list[str],
+    ood: list[str] = (),
+    ood_scores: list[str] = (),
+    rotations: list[str] = (),
+    corruptions: dict[str, list[str]] | None = None,
+    epsilons: list[str] = (),
+    conformal: bool = False,
+    fidelity: bool = False,
+) -> dict:
+    """The skeleton of ``results`` for these options (method names as in the report; set keys
+    as the runner writes them: ``cifar10:test`` → ``cifar10``, angles ``f"{a:g}"``, severities
+    as strings)."""
+
+    def per_method(leaves: tuple[str, ...]) -> dict:
+        return {m: _leaves(leaves) for m in methods}
+
+    def base(method: str) -> str:
+        return method.rsplit("/", 1)[-1]
+
+    tree: dict = {"in_distribution": per_method(IN_DISTRIBUTION)}
+    if ood:
+        cells = {}
+        for m in methods:
+            scores = [
+                s
+                for s in ood_scores
+                if not (s in _MAP_ONLY and base(m) != "map")
+                and not (s in _LOGITS and base(m) not in ("map", "temp"))
+                and not (s in _POSTERIOR_ONLY and base(m) in ("map", "temp"))
+            ]
+            cells[m] = {"mmc": None, **{s: _leaves(DETECTION) for s in scores}}
+        tree["ood"] = {(k[:-5] if k.endswith(":test") else k): cells for k in ood}
+    if rotations:
+        tree["rotation"] = {a: per_method(SUMMARY) for a in rotations}
+    if corruptions:
+        tree["corruption"] = {n: {s: per_method(SUMMARY) for s in sevs} for n, sevs in corruptions.items()}
+    if epsilons:
+        tree["fgsm"] = {e: per_method(SUMMARY) for e in epsilons}
+    if conformal:
+        tree["conformal"] = {m: ANY for m in methods}
+    if fidelity:
+        tree["link_fidelity"] = ANY
+    return tree
+
+
+def _matches(tree: dict | str | None, path: str) -> bool:
+    """Whether ``path`` can name a number of the skeleton (longest-key matching, as ``resolve``)."""
+    node, rest = tree, path
+    while rest:
+        if node == ANY:
+            return True
+        if not isinstance(node, dict):
+            return False
+        keys = sorted((k for k in node if rest == k or rest.startswith(k + ".")), key=len, reverse=True)
+        if not keys:
+            return False
+        node, rest = node[keys[0]], rest[len(keys[0]) + 1 :]
+    return node is None or node == ANY
+
+
+def _skeleton_paths(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _skeleton_paths(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}" + (".*" if value == ANY else ""))
+    return out
+
+
+def check_paths(gates: list[Gate], expected: dict) -> None:
+    """Refuse, before any work, a gate whose path the requested evaluation will not write."""
+    for gate in gates:
+        if not _matches(expected, gate.path):
+            # those sharing the longest prefix with the unknown path first
+            paths = sorted(
+                _skeleton_paths(expected), key=lambda p: -len(os.path.commonprefix([p, gate.path]))
+            )
+            shown = ", ".join(paths[:40]) + (f", … ({len(paths)} in all)" if len(paths) > 40 else "")
+            raise BayescliError(
+                f"--fail-if path '{gate.path}' is not in what this evaluation reports; valid paths: {shown}"
+            )

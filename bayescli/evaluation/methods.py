@@ -43,18 +43,20 @@ class Method:
 BASELINES = ("map", "temp")  # the network's own softmax, and softmax(f / T) with T fitted
 
 
-def expand_methods(methods: list[Method], tags: list[str]) -> list[Method]:
-    """One method per posterior tag; names gain a ``TAG/`` prefix when there are several tags.
+def expand_methods(methods: list[Method], tags: list[str], prefix: bool | None = None) -> list[Method]:
+    """One method per posterior tag; names gain a ``TAG/`` prefix when there are several tags
+    (or when ``prefix`` says so: one of several groups evaluated apart).
 
     ``map`` and ``temp`` need no posterior and are kept once.
     """
+    prefix = len(tags) > 1 if prefix is None else prefix
     out = []
     for m in methods:
         if m.predictive is None:
             out.append(m)
             continue
         for tag in tags:
-            name = f"{tag}/{m.name}" if len(tags) > 1 else m.name
+            name = f"{tag}/{m.name}" if prefix else m.name
             out.append(Method(name, m.predictive, m.link, m.correction, tag))
     return out
 

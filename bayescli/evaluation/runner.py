@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -30,10 +30,19 @@ from bayescli.evaluation.baselines import (
     calibration_extras,
     conformal_suite,
     fidelity_suite,
+    overlaps,
 )
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
 from bayescli.features import Features, check_input_shape, extract_features
-from bayescli.metrics import PROTOCOL, accuracy, classification_summary, ood_metrics, reliability, selective
+from bayescli.metrics import (
+    PROTOCOL,
+    accuracy,
+    classification_summary,
+    near_zero_variance_warning,
+    ood_metrics,
+    reliability,
+    selective,
+)
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
@@ -42,6 +51,9 @@ from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
 SCHEMA_VERSION = 3
+# A method whose argmax differs from MAP's on more than this fraction of the test inputs is flagged:
+# its accuracy is then another classifier's, not MAP's with better uncertainty.
+ARGMAX_CHANGE_WARNING = 0.005
 
 
 @dataclass
@@ -76,9 +88,18 @@ class Evaluator:
     posterior of ``model``; every method of ``cfg.methods`` runs once per posterior.
     """
 
-    def __init__(self, posteriors: dict[str, Posterior], model: LoadedModel, cfg: EvalConfig) -> None:
+    def __init__(
+        self,
+        posteriors: dict[str, Posterior],
+        model: LoadedModel,
+        cfg: EvalConfig,
+        prefix: bool | None = None,
+        fitted: dict[str, dict | None] | None = None,
+        test: dict | None = None,
+    ) -> None:
         self.posts, self.model, self.cfg = posteriors, model, cfg
-        self.methods = expand_methods(cfg.methods, list(posteriors))
+        self.prefix = len(posteriors) > 1 if prefix is None else prefix
+        self.methods = expand_methods(cfg.methods, list(posteriors), self.prefix)
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0}
         self.n_forward = 0
         self.map_accuracy: float | None = None  # on the first labelled set (the clean test set)
@@ -100,8 +121,10 @@ class Evaluator:
                 num_workers=cfg.num_workers,
                 skip_unreadable=cfg.skip_unreadable,
             )
-            self.timings[f"ggp_fit.{tag}" if len(posteriors) > 1 else "ggp_fit"] = time.perf_counter() - start
-        self.baselines = Baselines(next(iter(posteriors.values())), model, cfg)
+            self.timings[f"ggp_fit.{tag}" if self.prefix else "ggp_fit"] = time.perf_counter() - start
+        if fitted is None:
+            fitted = {tag: post.meta.get("data") for tag, post in posteriors.items()}
+        self.baselines = Baselines(next(iter(posteriors.values())), model, cfg, fitted, test)
         self.temperature = self.baselines.temperature.temperature if self.baselines.temperature else None
 
     def outputs(self, data: Data, detect: bool = False) -> dict[str, MethodOutput]:
@@ -161,7 +184,9 @@ def _gathered(feats: Features, outs: dict[str, MethodOutput]) -> tuple[Features,
     whole = Features(parallel.gather(feats.phi), parallel.gather(feats.logits), labels, feats.seconds)
     return whole, {
         name: MethodOutput(
-            parallel.gather(o.probs), {k: parallel.gather(v) for k, v in o.scores.items()}, o.seconds
+            parallel.gather(o.probs),
+            {k: None if v is None else parallel.gather(v) for k, v in o.scores.items()},
+            o.seconds,
         )
         for name, o in outs.items()
     }
@@ -177,6 +202,49 @@ def _in_distribution(data: Data, outs: dict[str, MethodOutput]) -> dict:
             "reliability": reliability(o.probs, data.y),
         }
     return res
+
+
+def argmax_changes(
+    in_distribution: dict, outs: dict[str, MethodOutput], map_logits: torch.Tensor
+) -> list[str]:
+    """Add ``argmax_changed_fraction`` (the share of inputs whose predicted class differs from
+    the MAP network's) to every method's in-distribution row; one warning line per method above
+    ``ARGMAX_CHANGE_WARNING``."""
+    ref = map_logits.argmax(-1).cpu()
+    lines = []
+    for name, o in outs.items():
+        changed = (o.probs.argmax(-1).cpu() != ref).double().mean().item()
+        row = in_distribution[name]
+        row["argmax_changed_fraction"] = changed
+        if changed > ARGMAX_CHANGE_WARNING:
+            lines.append(
+                f"{name} changes the predicted class of {changed:.2%} of the test inputs from MAP's "
+                f"(> {ARGMAX_CHANGE_WARNING:.1%}; accuracy {row['accuracy']:.4f}): its link moves "
+                "decisions, not only confidences"
+            )
+    return lines
+
+
+def degenerate_posteriors(
+    methods: list[Method], outs: dict[str, MethodOutput], posteriors: dict[str, Posterior]
+) -> list[str]:
+    """One warning per Dirichlet (bridge) method whose mean ``α₀`` explodes or whose mean mutual
+    information vanishes on the test set: a posterior with logit variances ≈ 0 (see
+    :func:`~bayescli.metrics.near_zero_variance_warning`)."""
+    lines = []
+    for m in methods:
+        scores = outs[m.name].scores
+        if scores.get("alpha0") is None or m.posterior is None:
+            continue
+        alpha0 = scores["alpha0"].double().mean().item()
+        neg_mi = scores.get("neg_mutual_information")
+        mi = None if neg_mi is None else -neg_mi.double().mean().item()
+        delta = posteriors[m.posterior].summary().get("prior_precision")
+        known = isinstance(delta, int | float) and not isinstance(delta, bool)
+        line = near_zero_variance_warning(m.name, alpha0, mi, delta if known else None)
+        if line is not None:
+            lines.append(line)
+    return lines
 
 
 def _ood_key(spec: str) -> str:
@@ -223,20 +291,27 @@ def describe_posterior(post: Posterior) -> dict:
         "subset": post.subset.value,
         **post.summary(),
         "fit_data": post.meta.get("data"),
+        "preprocess": post.meta.get("preprocess"),
     }
 
 
 def run_evaluation(
-    posteriors: dict[str, Posterior], model: LoadedModel, test: Data, cfg: EvalConfig
+    posteriors: dict[str, Posterior],
+    model: LoadedModel,
+    test: Data,
+    cfg: EvalConfig,
+    prefix: bool | None = None,
+    fitted: dict[str, dict | None] | None = None,
 ) -> dict:
     """All requested suites on ``test`` (labelled) for every posterior; returns the report dictionary.
 
-    ``posteriors`` maps tags to posteriors of ``model`` (see :class:`Evaluator`).
+    ``posteriors`` maps tags to posteriors of ``model`` (see :class:`Evaluator`); ``prefix`` and
+    ``fitted`` are for one group of a larger comparison (see :func:`run_grouped`).
     """
     if test.y is None:
         raise BayescliError(f"{test.spec} has no labels; evaluation needs labelled test data")
     check_input_shape(model, test)
-    ev = Evaluator(posteriors, model, cfg)
+    ev = Evaluator(posteriors, model, cfg, prefix, fitted, test.info)
     start = time.perf_counter()
     clean = ev.outputs(test, detect=bool(cfg.ood))
     clean_feats = ev.last_features
@@ -249,15 +324,23 @@ def run_evaluation(
     }
     if ev.ggp:
         infos = {tag: g.info for tag, g in ev.ggp.items()}
-        protocol["ggp"] = next(iter(infos.values())) if len(posteriors) == 1 else infos
+        protocol["ggp"] = infos if ev.prefix else next(iter(infos.values()))
     if ev.baselines.temperature is not None:
         protocol["temperature"] = ev.baselines.temperature_protocol()
-    warnings: list[str] = []
+    warnings: list[str] = [
+        f"the test data {test.spec} overlaps the fitting data {post.meta['data'].get('spec')} of "
+        f"{tag}: its results there (conformal thresholds included) are in-sample"
+        for tag, post in posteriors.items()
+        if overlaps(post.meta.get("data"), test.info)
+    ]
+    warnings += argmax_changes(results["in_distribution"], clean, clean_feats.logits)
+    warnings += degenerate_posteriors(ev.methods, clean, posteriors)
     if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in ev.methods):
         t0 = time.perf_counter()
-        results["link_fidelity"], protocol["link_fidelity"], warnings = fidelity_suite(
-            posteriors, model, clean_feats, test, cfg
+        results["link_fidelity"], protocol["link_fidelity"], lines = fidelity_suite(
+            posteriors, model, clean_feats, test, cfg, ev.prefix
         )
+        warnings += lines
         ev.timings["link_fidelity"] = time.perf_counter() - t0
     if cfg.baselines.conformal is not None:
         t0 = time.perf_counter()
@@ -279,7 +362,11 @@ def run_evaluation(
             results["ood"][_ood_key(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
-                    **{score: ood_metrics(clean[name].scores[score], s) for score, s in o.scores.items()},
+                    **{
+                        # null: a detector that could not be fitted (see warnings)
+                        score: None if s is None else ood_metrics(clean[name].scores[score], s)
+                        for score, s in o.scores.items()
+                    },
                 }
                 for name, o in outs.items()
             }
@@ -329,6 +416,7 @@ def run_evaluation(
             data = test.map_inputs(attack, labels=True, workers=False).subset(slice(None), fgsm_eps=eps)
             results["fgsm"][label] = ev.summaries(data)
 
+    warnings = ev.baselines.warnings + warnings
     ev.timings |= ev.baselines.timings
     ev.timings["total"] = time.perf_counter() - start
     ev.timings["forward_inputs"] = ev.n_forward
@@ -353,3 +441,78 @@ def run_evaluation(
         "timings": ev.timings,
         "warnings": warnings,
     }
+
+
+def preprocess_key(post: Posterior) -> str:
+    """A posterior's preprocessing recipe as a comparable key (``""``: the checkpoint's own)."""
+    import json
+
+    return json.dumps(post.meta.get("preprocess"), sort_keys=True) if post.meta.get("preprocess") else ""
+
+
+def run_grouped(groups: list[tuple[dict[str, Posterior], LoadedModel, Data]], cfg: EvalConfig) -> dict:
+    """One report for posteriors of one checkpoint fitted with different preprocessing.
+
+    Each group (its posteriors, the model with their recipe, the test data prepared by it) gets its
+    own backbone passes, so every posterior sees inputs prepared as when it was fitted; ``map``,
+    ``temp`` and the OOD detectors run in the first group (the first posterior's recipe). Results
+    are merged under the ``TAG/`` method names a single run would use.
+    """
+    if len(groups) == 1:
+        return run_evaluation(*groups[0], cfg)
+    tags = [tag for posts, _, _ in groups for tag in posts]
+    fitted = {tag: post.meta.get("data") for posts, _, _ in groups for tag, post in posts.items()}
+    rest = replace(cfg, methods=[m for m in cfg.methods if m.predictive is not None])
+    reports = []
+    for i, (posts, model, test) in enumerate(groups):
+        if i and not rest.methods:
+            continue
+        reports.append(run_evaluation(posts, model, test, cfg if i == 0 else rest, True, fitted))
+    report = reports[0]
+    for other in reports[1:]:
+        _merge(report["results"], other["results"])
+        for key, value in other["protocol"].items():
+            if key == "methods":
+                report["protocol"]["methods"] += value
+            elif key == "ggp":
+                report["protocol"].setdefault("ggp", {}).update(value)
+            elif key == "link_fidelity":
+                report["protocol"].setdefault("link_fidelity", value)["inputs"].update(value["inputs"])
+            else:
+                report["protocol"].setdefault(key, value)
+        for key, sec in other["timings"].items():
+            report["timings"][key] = report["timings"].get(key, 0) + sec
+        report["warnings"] += [w for w in other["warnings"] if w not in report["warnings"]]
+        report["posteriors"] |= other["posteriors"]
+    order = {name: i for i, name in enumerate(m.name for m in expand_methods(cfg.methods, tags))}
+    report["protocol"]["methods"].sort(key=order.__getitem__)
+    _order(report["results"], order)
+    report["posteriors"] = {tag: report["posteriors"][tag] for tag in tags}
+    report["protocol"]["preprocessing"] = [
+        {
+            "posteriors": list(posts),
+            "preprocess": model.preprocess.to_meta(),
+            "input_shape": list(test.input_shape),
+        }
+        for posts, model, test in groups
+    ]
+    return report
+
+
+def _merge(into: dict, other: dict) -> None:
+    """Add ``other``'s entries to ``into``, recursing where both hold a dictionary."""
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into.setdefault(key, value)
+
+
+def _order(results: dict, order: dict[str, int]) -> None:
+    """Put every ``{method: …}`` level of ``results`` in the methods' order, in place."""
+    for key, value in list(results.items()):
+        if isinstance(value, dict):
+            if value and all(k in order for k in value):
+                results[key] = {k: value[k] for k in sorted(value, key=order.__getitem__)}
+            else:
+                _order(value, order)

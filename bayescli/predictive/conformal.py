@@ -140,9 +140,25 @@ def prediction_sets(probs: torch.Tensor, q_hat: float, cfg: ConformalConfig, see
     return label_scores(probs, cfg, u) <= q_hat
 
 
+COVERAGE_LEVEL = 0.95
+
+
+def coverage_interval(hits: int, n: int, level: float = COVERAGE_LEVEL) -> list[float]:
+    """Clopper–Pearson (exact binomial) ``level`` interval ``[lo, hi]`` for a coverage of
+    ``hits`` of ``n`` test points: ``lo`` = the ``(1−level)/2`` quantile of Beta(hits, n−hits+1),
+    ``hi`` = the ``(1+level)/2`` quantile of Beta(hits+1, n−hits) (0 and 1 at the ends)."""
+    if n <= 0:
+        return [0.0, 1.0]
+    tail = (1 - level) / 2
+    lo = 0.0 if hits <= 0 else float(betaincinv(hits, n - hits + 1, tail))
+    hi = 1.0 if hits >= n else float(betaincinv(hits + 1, n - hits, 1 - tail))
+    return [lo, hi]
+
+
 def set_summary(sets: torch.Tensor, labels: torch.Tensor | None) -> dict:
-    """Mean size, size histogram ``{size: count}``; with labels also coverage, coverage by set
-    size and by class (sizes or classes without inputs are left out)."""
+    """Mean size, size histogram ``{size: count}``; with labels also coverage with its 95 %
+    Clopper–Pearson interval ``coverage_ci`` (the test points are a finite sample), coverage by
+    set size and by class (sizes or classes without inputs are left out)."""
     sets = sets.cpu()  # a summary of N booleans per class: read once on the host
     sizes = sets.sum(-1)
     k = sets.shape[-1]
@@ -155,6 +171,7 @@ def set_summary(sets: torch.Tensor, labels: torch.Tensor | None) -> dict:
         labels = labels.cpu()
         hit = sets.gather(1, labels.view(-1, 1)).squeeze(1).double()
         out["coverage"] = hit.mean().item()
+        out["coverage_ci"] = coverage_interval(int(hit.sum().item()), len(hit))
         by_size = torch.zeros(k + 1, dtype=torch.float64).index_add_(0, sizes, hit)
         out["coverage_by_size"] = {str(s): by_size[s].item() / c for s, c in enumerate(counts.tolist()) if c}
         per_class = torch.bincount(labels, minlength=k)

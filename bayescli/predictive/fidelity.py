@@ -48,6 +48,18 @@ def _nll(p: torch.Tensor, labels: torch.Tensor) -> float:
     return -p.double().gather(1, labels.to(p.device).view(-1, 1)).clamp_min(1e-12).log().mean().item()
 
 
+def undefined_reason(link: str, bad: int, n: int) -> str:
+    """Why a link's fidelity is not a number (its probabilities are not finite on ``bad`` of
+    ``n`` inputs)."""
+    where = f"on {bad} of {n} inputs"
+    if link.startswith("bridge"):
+        return (
+            f"undefined {where}: logit variances ≈ 0, the Dirichlet degenerates (α₀ → ∞, its mean "
+            "is 0/0); the posterior is (numerically) the MAP point"
+        )
+    return f"undefined {where}: the link's probabilities are not finite"
+
+
 def link_fidelity(
     lg: LogitGaussian,
     labels: torch.Tensor | None = None,
@@ -61,7 +73,8 @@ def link_fidelity(
     Returns ``(results, warnings)``: per link (and for ``map`` = ``softmax(μ)``, as context)
     ``kl_mean``, ``kl_max`` and, with ``labels [N]``, ``nll``; the MC reference's ``nll`` and
     ``noise_floor``; one warning line per link (of ``warn_for``, default all) whose mean KL
-    exceeds ``threshold``.
+    exceeds ``threshold``. A link whose probabilities are not finite (the bridge at logit
+    variances ≈ 0) gets null values and an ``undefined`` reason, never NaN.
     """
     mc = monte_carlo(lg, samples, devices.generator(lg.mean.device, seed))
     floor = (mc.std.double().square() / (2 * samples * mc.probs.double().clamp_min(1e-30))).sum(-1)
@@ -75,6 +88,16 @@ def link_fidelity(
     warnings = []
     for name, probs in links.items():
         kl = _kl(mc.probs, probs)
+        bad = int((~(torch.isfinite(probs).all(-1) & torch.isfinite(kl))).sum())
+        if bad:
+            # never NaN in a report: null, and why
+            row = {"kl_mean": None, "kl_max": None, "undefined": undefined_reason(name, bad, len(lg))}
+            if labels is not None:
+                row["nll"] = None
+            out[name] = row
+            if name != "map" and (warn_for is None or name in warn_for):
+                warnings.append(f"link fidelity of {name}: {row['undefined']}")
+            continue
         row = {"kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
         if labels is not None:
             row["nll"] = _nll(probs, labels)
