@@ -258,7 +258,8 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         ]
         parts.append(
             _table(
-                "Link fidelity: KL(MC ‖ link) on the protocol's test subset (mc: the reference)",
+                "Link fidelity: KL(reference ‖ link) on the protocol's test subset (the reference: mc, or "
+                "dirichlet for a posterior whose native output is a Dirichlet)",
                 ["link", "mean KL", "max KL", "NLL", "MC noise floor"] + (["note"] if note else []),
                 rows,
             )

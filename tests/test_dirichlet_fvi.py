@@ -1,6 +1,7 @@
 """Dirichlet fVI (VI-SPEC A): Minka, the eq. 6 KL and its gradient, label-smoothing equivalence,
 the Laplace-bridge currency, post-hoc and from-scratch families, save/load."""
 
+import json
 import math
 
 import pytest
@@ -522,3 +523,39 @@ def test_select_warns_when_the_chosen_tau_is_an_edge_of_the_grid():
     assert "largest" in _selection(cfg, curve, 10.0)["warning"]
     assert "warning" not in _selection(cfg, curve, 1.0)
     assert "warning" not in _selection(DirichletFVIConfig(), [], 1.0)  # no search, nothing to say
+
+
+def test_predict_defaults_to_the_dirichlet_mean_and_labels_links_through_its_gaussian_image(
+    mlp_ckpt, cli, tmp_path
+):
+    """Issue 23 part 3: a Dirichlet fVI posterior is its own predictive. ``predict`` without
+    ``--link`` returns ``α/α₀`` exactly; any other link reads the Gaussian image of that
+    Dirichlet and is labelled an approximation (method name, JSON field) and ``--link mc`` warns."""
+    path = tmp_path / "d.safetensors"
+    fit = ("fit-vi", "--method", "dirichlet-fvi", "--model", "builtin:mlp", "--checkpoint", mlp_ckpt)
+    assert cli(*fit, "--data", "digits:train", "--members", "3", "--epochs", "2", "--out", path).code == 0
+    model, post = load_classifier("builtin:mlp", mlp_ckpt), load_posterior(path)
+    test = load_data("digits:test")
+    native = post.alpha_features(model.classifier.features(test.inputs(slice(0, len(test)))).detach())
+    common = ("predict", "--posterior", path, "--data", "digits:test")
+
+    res = cli(*common, "--out", tmp_path / "p.safetensors")
+    assert res.code == 0 and "glm-bridge" in res.out and "gaussian image" not in res.out
+    from safetensors.torch import load_file
+
+    arrays = load_file(tmp_path / "p.safetensors")
+    probs, alpha = arrays["probs"], arrays["alpha"]
+    assert torch.equal(alpha, native.to(alpha.dtype))  # the posterior's own α, not a bridge of a Gaussian
+    assert torch.equal(probs, alpha / alpha.sum(-1, keepdim=True))  # α/α₀, exactly
+    res = cli(*common, "--json")
+    report = json.loads(res.out)
+    assert report["link"] == "bridge" and report["approximation"] is None
+
+    res = cli(*common, "--link", "mc", "--samples", "200", "--json")
+    report = json.loads(res.out)
+    assert res.code == 0 and report["link"] == "mc"
+    assert report["approximation"] == "gaussian image of the Dirichlet (inverse Laplace bridge)"
+    assert set(report["results"]) == {"map", "glm-mc (gaussian image)"}
+    assert "--link mc on a dirichlet-fvi posterior samples the gaussian image" in res.err
+    report = json.loads(cli(*common, "--link", "probit", "--json").out)
+    assert "glm-probit (gaussian image)" in report["results"] and report["approximation"]

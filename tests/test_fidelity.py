@@ -6,11 +6,12 @@ import torch
 from scipy.special import expit, softmax
 from tolerance import assert_below, assert_close
 
+from bayescli import devices
 from bayescli.options import BridgeCorrection
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
 from bayescli.predictive.fidelity import fidelity_inputs, link_fidelity
-from bayescli.predictive.links import bridge, probit
+from bayescli.predictive.links import bridge, monte_carlo, probit
 
 
 def _exact_two_class(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,3 +98,36 @@ def test_a_degenerate_bridge_is_null_with_a_reason_never_nan():
     assert any(w.startswith("link fidelity of bridge-norm: undefined") for w in warnings)
     json.dumps(res, allow_nan=False)  # raises on any NaN or infinity
     assert res["bridge"]["kl_mean"] > 0  # the other links keep their numbers
+
+
+def test_a_native_dirichlet_is_the_reference_and_mc_through_its_gaussian_image_an_approximation():
+    """Issue 23 part 3. For the Gaussian image of a native Dirichlet (``lg.alpha``) the reference
+    is ``α/α₀``: the bridge returns it (KL exactly 0), MC through the image is a link compared
+    with it and labelled an approximation. The image is poor for ``α_k < 1``: with one class at
+    α = 6 and the others from 0.5 down to 1e-4 (a fitted digits posterior's values: 75 % of its
+    α are < 1, the median row's smallest 1.3e-4), ``Σ_kk ≈ 1/α_k`` and
+    ``E[exp z_k] ∝ α_k exp(Σ_kk/2)`` put the MC predictive's mass on the smallest-α class."""
+    base = torch.tensor([6.0, 0.5, 0.2, 0.07, 0.03, 0.01, 3e-3, 1e-3, 3e-4, 1e-4], dtype=torch.float64)
+    alpha = torch.stack([base.roll(i % 10) for i in range(30)])
+    mu, cov = dirichlet.dirichlet_to_gaussian(alpha)
+    lg = LogitGaussian(mu, cov.diagonal(dim1=1, dim2=2).clone(), cov, alpha=alpha, exact=False)
+    labels = torch.arange(30) % 10
+    res, warnings = link_fidelity(lg, labels, 2000, seed=0, threshold=0.05)
+    ref = alpha / alpha.sum(-1, keepdim=True)
+    assert res["dirichlet"]["reference"] is True
+    assert_close(res["dirichlet"]["nll"], -np.log(6 / base.sum().item()), rtol=1e-12, what="Dirichlet NLL")
+    for name in ("bridge", "bridge-none", "bridge-norm"):
+        assert res[name]["kl_mean"] == 0 and "approximation" not in res[name]
+    mc = monte_carlo(lg, 2000, devices.generator(lg.mean.device, 0)).probs.double()
+    expected = (ref * (ref.log() - mc.log())).sum(-1).mean().item()
+    assert_close(res["mc"]["kl_mean"], expected, rtol=1e-9, what="KL(Dirichlet ‖ MC through the image)")
+    assert res["mc"]["approximation"].startswith("gaussian image of the Dirichlet")
+    assert res["probit"]["approximation"] == res["mc"]["approximation"] and "noise_floor" in res["mc"]
+    assert (mc.argmax(-1) == alpha.argmin(-1)).all()  # the 17 %-accuracy mechanism
+    log_w = mu + cov.diagonal(dim1=1, dim2=2) / 2  # log E[exp z_k] up to a constant
+    assert (log_w.argmax(-1) == alpha.argmin(-1)).all()
+    assert any(w.startswith("the mc link is") and "Dirichlet predictive" in w for w in warnings)
+    # a plain Gaussian keeps MC as its reference
+    plain, _ = link_fidelity(LogitGaussian(mu, cov.diagonal(dim1=1, dim2=2).clone(), cov), None, 500)
+    assert "noise_floor" in plain["mc"] and "dirichlet" not in plain
+    assert "approximation" not in plain["probit"]

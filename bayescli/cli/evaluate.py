@@ -244,7 +244,8 @@ def evaluate_cmd(
             for link, r in fid.items()
         ]
         columns = ["link", "mean", "max", "NLL", "MC noise floor"] + (["note"] if note else [])
-        tables.append(c.table("link fidelity: KL(MC ‖ link)", columns, rows))
+        title = "link fidelity: KL(reference ‖ link) (reference: MC, or a native Dirichlet's mean)"
+        tables.append(c.table(title, columns, rows))
     for suite in ("rotation", "fgsm"):
         if suite in res:
             keys = list(res[suite])

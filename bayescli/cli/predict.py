@@ -84,7 +84,13 @@ def predict_cmd(
     predictive: Annotated[
         Predictive, typer.Option(help="glm (linearised) or bnn (sampled network).")
     ] = Predictive.GLM,
-    link: Annotated[Link, typer.Option(help="How logit Gaussians become probabilities.")] = Link.PROBIT,
+    link: Annotated[
+        Link | None,
+        typer.Option(
+            help="How logit Gaussians become probabilities [default: probit; bridge, i.e. the "
+            "Dirichlet mean, for a posterior whose native output is a Dirichlet (dirichlet-fvi)]."
+        ),
+    ] = None,
     bridge: Annotated[
         bool, typer.Option("--bridge", help="Laplace-bridge Dirichlet output (= --link bridge).")
     ] = False,
@@ -123,15 +129,16 @@ def predict_cmd(
     """
     from bayescli.io import save_tensors, write_json, write_jsonl
     from bayescli.metrics import classification_summary
+    from bayescli.predictive.fidelity import GAUSSIAN_IMAGE
     from bayescli.predictive.ggp import fit_ggp
     from bayescli.predictive.glm import predict
 
     c.setup(quiet, as_json, seed)
     if bridge:
-        if link not in (Link.PROBIT, Link.BRIDGE):
+        if link not in (None, Link.BRIDGE):
             raise typer.BadParameter("--bridge implies --link bridge", param_hint="--link")
         link = Link.BRIDGE
-    if fit_dirichlet and link is not Link.MC:
+    if fit_dirichlet and link is not Link.MC and link is not None:
         raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
     if out is not None and out.suffix not in (".json", ".jsonl", ".safetensors"):
         raise typer.BadParameter("use a .json, .jsonl or .safetensors file", param_hint="--out")
@@ -152,6 +159,21 @@ def predict_cmd(
         model=model_spec,
         trust_model_code=trust_model_code,
     )
+    native = post.native_dirichlet
+    if link is None:
+        link = Link.BRIDGE if native else Link.PROBIT
+    if fit_dirichlet and link is not Link.MC:
+        raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
+    # a link other than the bridge reads a native Dirichlet through its Gaussian image
+    image = native and link is not Link.BRIDGE and predictive is not Predictive.BNN
+    approximation = GAUSSIAN_IMAGE if image else None
+    if approximation is not None and link is Link.MC:
+        c.warn(
+            f"--link mc on a {post.method} posterior samples the {GAUSSIAN_IMAGE}, not the "
+            "Dirichlet: for α_k < 1 its variances ≈ 1/α_k make the least likely classes dominate "
+            "E[softmax(z)] (accuracy can fall far below the Dirichlet mean's); the default "
+            "--link bridge is the posterior's predictive"
+        )
     ggp = None
     if predictive is Predictive.GGP:
         refine = ggp_mode is GGPMode.REFINED
@@ -183,7 +205,7 @@ def predict_cmd(
         ggp,
     )
     map_probs = feats.logits.softmax(-1)
-    method = f"{predictive.value}-{link.value}"
+    method = f"{predictive.value}-{link.value}" + (" (gaussian image)" if approximation else "")
     results = {
         "map": classification_summary(map_probs, feats.labels),
         method: classification_summary(pred.probs, feats.labels),
@@ -213,7 +235,8 @@ def predict_cmd(
         "predictive": predictive.value,
         "link": link.value,
         "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,
-        "bridge_correction": correction.value if link is Link.BRIDGE else None,
+        "bridge_correction": correction.value if link is Link.BRIDGE and not native else None,
+        "approximation": approximation,
         "ggp": ggp.info if ggp is not None else None,
         "seed": seed,
         "results": results,

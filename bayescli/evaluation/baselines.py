@@ -37,8 +37,10 @@ from bayescli.predictive import conformal as cp
 from bayescli.predictive.fidelity import (
     FIDELITY_SAMPLES,
     KL_WARNING,
+    MC_REFERENCE,
     fidelity_inputs,
     link_fidelity,
+    reference_name,
     subset_index,
 )
 from bayescli.predictive.glm import logit_gaussian, predict
@@ -390,7 +392,8 @@ def fidelity_suite(
     cfg: EvalConfig,
     prefix: bool | None = None,
 ) -> tuple[dict, dict, list[str]]:
-    """``KL(MC ‖ link)`` on a seeded subset of the test inputs (GLM logit Gaussians), for every
+    """``KL(reference ‖ link)`` (MC, or a native Dirichlet's mean) on a seeded subset of the test
+    inputs (GLM logit Gaussians), for every
     link of every posterior (rows ``TAG/link`` when there are several); warnings for the links
     the requested methods use."""
     size = min(cfg.baselines.fidelity_inputs, len(test))
@@ -407,6 +410,7 @@ def fidelity_suite(
     }
     results: dict = {}
     inputs: dict[str, int] = {}
+    references: dict[str, str] = {}
     warnings: list[str] = []
     for tag, post in posteriors.items():
         lg = logit_gaussian(post, sub_feats, model.classifier, test.subset(idx), cfg.batch_size)
@@ -419,13 +423,15 @@ def fidelity_suite(
         results |= {pre + link: row for link, row in rows.items()}
         warnings += [f"{tag}: {line}" if pre else line for line in lines]
         inputs[tag] = keep
+        references[tag] = reference_name(lg)
+    reference = next(iter(references.values()), MC_REFERENCE)
     protocol = {
         "inputs": next(iter(inputs.values())) if len(inputs) == 1 and not prefix else inputs,
         "samples": FIDELITY_SAMPLES,
         "seed": cfg.seed,
         "predictive": "glm",
-        "reference": "Monte Carlo E[softmax(z)], z ~ N(mu, Sigma)",
-        "divergence": "KL(MC || link), nats, mean over inputs",
+        "reference": reference if len(set(references.values())) == 1 else references,
+        "divergence": "KL(reference || link), nats, mean over inputs",
         "warning_above": KL_WARNING,
     }
     return results, protocol, warnings

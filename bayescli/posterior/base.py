@@ -60,6 +60,9 @@ class Posterior(ABC):
     """
 
     method: ClassVar[str]
+    # a posterior whose native output is a Dirichlet α (its logit Gaussian is that Dirichlet's
+    # Gaussian image): its predictive is the Dirichlet mean, the default link ``bridge``
+    native_dirichlet: ClassVar[bool] = False
     subset: Subset
     meta: dict
     path: Path | None = None  # the file it was read from, if any

@@ -544,6 +544,7 @@ class DirichletFVIPosterior(Posterior):
     meta: dict = field(default_factory=dict)
 
     method: ClassVar[str] = "dirichlet-fvi"
+    native_dirichlet: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
