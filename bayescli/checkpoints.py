@@ -313,9 +313,15 @@ def resolve_weights(
 
 
 def load_weights(
-    net: nn.Module, checkpoint: Checkpoint | str | Path, key: str | None = None, *, model: str | None = None
+    net: nn.Module,
+    checkpoint: Checkpoint | str | Path,
+    key: str | None = None,
+    *,
+    model: str | None = None,
+    resolved: ResolvedState | None = None,
 ) -> ResolvedState:
-    """Resolve (:func:`resolve_weights`) and load the checkpoint's weights into ``net``.
+    """Resolve (:func:`resolve_weights`, unless ``resolved`` was already found for ``net``) and
+    load the checkpoint's weights into ``net``.
 
     Tensors whose shapes differ are held back and the rest go through
     ``net.load_state_dict(strict=False)``, so each module's own ``_load_from_state_dict`` decides
@@ -323,7 +329,7 @@ def load_weights(
     with one line naming the first of each and the likely cause (prefix, class count, model variant,
     architecture); ``model`` names the architecture there. ``net`` is then partly overwritten.
     """
-    resolved = resolve_weights(net, checkpoint, key)
+    resolved = resolved or resolve_weights(net, checkpoint, key)
     expected = {k: v.shape for k, v in net.state_dict().items()}
     wrong = [k for k, v in resolved.state.items() if k in expected and v.shape != expected[k]]
     fitting = _with_metadata(

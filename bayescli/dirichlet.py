@@ -198,23 +198,60 @@ def fit_precision(
     the iterations the slowest row took (≤ ``max_iter``).
     """
     a_bar, a_log = a_bar.double(), a_log.double()
-    n, k = a_bar.shape
+    n = a_bar.shape[0]
     lo, hi = float(min_precision), float(max_precision)
     if num_samples == 1:
         return torch.full((n,), hi, dtype=torch.float64, device=a_bar.device), 0
-    denom = -2 * (a_bar * (a_log - a_bar.clamp_min(1e-300).log())).sum(-1)
-    z = torch.where(denom > 0, (k - 1) / denom.clamp_min(1e-300), torch.full_like(denom, hi)).clamp(lo, hi)
-    cross = (a_bar * a_log).sum(-1)  # Σ ᾱ_k ᾰ_k, constant over the iterations
+    z = stirling_precision(a_bar, a_log, a_bar.clamp_min(1e-300).log(), lo, hi)
+    return minka_iterate(z, a_bar, (a_bar * a_log).sum(-1), lo, hi, tol, max_iter)
+
+
+def stirling_precision(
+    a_bar: torch.Tensor, a_log: torch.Tensor, log_a_bar: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """Stirling's start ``z⁰ = (K−1) / (−2 Σ ᾱ_k (ᾰ_k − log ᾱ_k))`` ``[N]`` (eq. 32), clamped to
+    ``[lo, hi]``; rows whose samples barely vary (denominator ≤ 0) start at ``hi``."""
+    k = a_bar.shape[-1]
+    denom = -2 * (a_bar * (a_log - log_a_bar)).sum(-1)
+    return torch.where(denom > 0, (k - 1) / denom.clamp_min(1e-300), torch.full_like(denom, hi)).clamp(lo, hi)
+
+
+def minka_step(z: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``1/z ← 1/z + Δ₁/(z² Δ₂)`` (Newton on ``1/z``, eqs. 29–31) clamped to ``[lo, hi]``; a step
+    that would make ``1/z ≤ 0`` goes to ``hi``."""
+    inv = 1 / z + d1 / (z.square() * d2)
+    return torch.where(inv > 0, 1 / inv.clamp_min(1e-300), torch.full_like(z, hi)).clamp(lo, hi)
+
+
+def minka_iterate(
+    z: torch.Tensor,
+    a_bar: torch.Tensor,
+    cross: torch.Tensor,
+    lo: float,
+    hi: float,
+    tol: float,
+    max_iter: int,
+    trigamma_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, int]:
+    """Exact Minka steps from ``z [N]`` (float64) for ``ᾱ [N, K]`` and ``cross = Σ ᾱ_k ᾰ_k [N]``.
+
+    ``ψ`` is evaluated in float64; ``ψ₁``, which sets only the step length and not the root, in
+    ``trigamma_dtype``. Rows stop once ``|Δz| ≤ tol·z`` and are masked out of later iterations.
+    Returns ``z`` and the iterations of the slowest row.
+    """
+    n = z.shape[0]
+    ab_sq_all = a_bar.to(trigamma_dtype).square()
     active = torch.arange(n, device=a_bar.device)
     iterations = 0
     while active.numel() and iterations < max_iter:
         every = active.numel() == n  # no gather/scatter while every row still moves
-        za, ab, cr = (z, a_bar, cross) if every else (z[active], a_bar[active], cross[active])
+        rows = slice(None) if every else active
+        za, ab, ab_sq, cr = z[rows], a_bar[rows], ab_sq_all[rows], cross[rows]
         zab = za[:, None] * ab
         d1 = torch.digamma(za) - (ab * torch.digamma(zab)).sum(-1) + cr
-        d2 = torch.polygamma(1, za) - (ab.square() * torch.polygamma(1, zab)).sum(-1)
-        inv = 1 / za + d1 / (za.square() * d2)
-        z_new = torch.where(inv > 0, 1 / inv.clamp_min(1e-300), torch.full_like(za, hi)).clamp(lo, hi)
+        psi1 = torch.polygamma(1, zab.to(trigamma_dtype))
+        d2 = torch.polygamma(1, za) - (ab_sq * psi1).sum(-1, dtype=torch.float64)
+        z_new = minka_step(za, d1, d2, lo, hi)
         moving = (z_new - za).abs() > tol * za
         if every:
             z = z_new

@@ -203,14 +203,19 @@ def model_factory(spec: ModelSpec) -> Callable[..., nn.Module] | None:
 
 
 def build_network(
-    spec: ModelSpec, num_classes: int | None, input_shape: tuple[int, ...] | None, kwargs: dict
+    spec: ModelSpec,
+    num_classes: int | None,
+    input_shape: tuple[int, ...] | None,
+    kwargs: dict,
+    factory: Callable[..., nn.Module] | None = None,
 ) -> nn.Module:
-    """Instantiate ``spec`` with factory ``kwargs``; ``num_classes=None`` means the architecture's default."""
+    """Instantiate ``spec`` with factory ``kwargs``; ``num_classes=None`` means the architecture's
+    default. ``factory``: :func:`model_factory`'s result when the caller already has it."""
     if spec.kind == "hf":
         from bayescli.hf import build_hf_network
 
         return build_hf_network(Path(spec.name), num_classes)
-    factory = model_factory(spec)
+    factory = factory or model_factory(spec)
     if spec.kind == "builtin":
         require(
             num_classes is not None and input_shape is not None,
@@ -334,6 +339,8 @@ def load_classifier(
         )
     factory = model_factory(spec)
     user = parse_model_args(model_args, factory) if isinstance(model_args, list) else dict(model_args or {})
+    if factory is None and user:
+        raise BayescliError(f"--model-arg does not apply to {spec}: its config.json defines the network")
     args = factory_arguments(
         factory,
         from_file={**meta.get("model_kwargs", {}), **(file_args or {})} if factory else None,
@@ -342,26 +349,27 @@ def load_classifier(
         strict_file_names=spec.kind in ("builtin", "py"),
         reserved=_reserved(spec.kind),
     )
-    if factory is None and user:
-        raise BayescliError(f"--model-arg does not apply to {spec}: its config.json defines the network")
     kwargs = args.kwargs
     input_shape = tuple(meta["input_shape"]) if meta.get("input_shape") else None
     num_classes = meta.get("num_classes")
-    net = build_network(spec, None if spec.kind != "builtin" else num_classes, input_shape, kwargs)
+    net = build_network(spec, None if spec.kind != "builtin" else num_classes, input_shape, kwargs, factory)
     if folder is not None:
         from bayescli.hf import hf_class_names, hf_preprocess, hf_state_dict
 
         ckpt = replace(ckpt, content=hf_state_dict(net, _tensors(ckpt.content, path)))
     head_name = head or find_head(net)
+    resolved = None
     if spec.kind != "builtin":
         # the head's rows are the class count (2-D Linear or 4-D 1×1 conv weight); a checkpoint
         # without it is explained by load_weights below
-        weight = resolve_weights(net, ckpt, checkpoint_key).state.get(f"{head_name}.weight")
+        resolved = resolve_weights(net, ckpt, checkpoint_key)
+        weight = resolved.state.get(f"{head_name}.weight")
         built = _shapes(net).get(f"{head_name}.weight")
         rows = int(weight.shape[0]) if weight is not None and weight.dim() in (2, 4) else None
         if rows is not None and built is not None and rows != built[0]:
-            net = build_network(spec, rows, input_shape, kwargs)
-    resolved = load_weights(net, ckpt, checkpoint_key, model=str(spec))
+            net = build_network(spec, rows, input_shape, kwargs, factory)
+            resolved = None  # shapes changed: the best match may too
+    resolved = load_weights(net, ckpt, checkpoint_key, model=str(spec), resolved=resolved)
     net.eval()
     source = {**resolved.describe(), **args.describe()}
     if folder is not None:

@@ -278,21 +278,28 @@ class Ctx:
         train(net, self.x_train, self.y_train, self.epochs, seed=seed)
         return own_metrics(net, self.x_held, self.y_held)
 
+    def trained(self, build: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, tuple[float, float]]:
+        """A net built and trained under ``seed``, and its own held-out (accuracy, NLL)."""
+        torch.manual_seed(seed)
+        net = build()
+        return net, self.fit_and_score(net, seed)
+
+    def save_state(self, net: nn.Module, name: str) -> Path:
+        """``torch.save(net.state_dict())`` into the work folder, as most authors publish."""
+        path = self.work / name
+        torch.save(net.state_dict(), path)
+        return path
+
 
 def plain_state_dict(ctx: Ctx, cache: dict) -> list[Entry]:
-    torch.manual_seed(1)
-    net = CNN()
-    own = ctx.fit_and_score(net, 1)
+    net, own = ctx.trained(CNN, 1)
     cache["cnn"] = (net, own)
-    path = ctx.work / "cnn_state.pt"
-    torch.save(net.state_dict(), path)
+    path = ctx.save_state(net, "cnn_state.pt")
     return [Entry("state dict .pt", "torch.save(model.state_dict())", "py:zoo_models:CNN", path, own)]
 
 
 def old_batchnorm(ctx: Ctx, cache: dict) -> list[Entry]:
-    torch.manual_seed(2)
-    net = BNCNN()
-    own = ctx.fit_and_score(net, 2)
+    net, own = ctx.trained(BNCNN, 2)
     state = {f"module.{k}": v for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
     path = ctx.work / "bn_old.th"
     torch.save({"state_dict": state, "epoch": ctx.epochs, "best_prec1": own[0]}, path)
@@ -392,21 +399,15 @@ def pickled_module(ctx: Ctx, cache: dict) -> list[Entry]:
 
 
 def tuple_output(ctx: Ctx, cache: dict) -> list[Entry]:
-    torch.manual_seed(5)
-    net = TupleNet()
-    own = ctx.fit_and_score(net, 5)
-    path = ctx.work / "tuple_state.pt"
-    torch.save(net.state_dict(), path)
+    net, own = ctx.trained(TupleNet, 5)
+    path = ctx.save_state(net, "tuple_state.pt")
     how = "state dict; forward returns (logits, features[64])"
     return [Entry("tuple output", how, "py:zoo_models:TupleNet", path, own)]
 
 
 def conv_head(ctx: Ctx, cache: dict) -> list[Entry]:
-    torch.manual_seed(6)
-    net = ConvHeadNet()
-    own = ctx.fit_and_score(net, 6)
-    path = ctx.work / "convhead_state.pt"
-    torch.save(net.state_dict(), path)
+    net, own = ctx.trained(ConvHeadNet, 6)
+    path = ctx.save_state(net, "convhead_state.pt")
     how = "state dict; Conv2d(128, 10, 1) → AdaptiveAvgPool2d(1) → Flatten"
     return [Entry("1×1 conv head", how, "py:zoo_models:ConvHeadNet", path, own)]
 
@@ -428,9 +429,7 @@ def hugging_face(ctx: Ctx, cache: dict) -> list[Entry]:
         id2label={i: str(i) for i in range(10)},
         label2id={str(i): i for i in range(10)},
     )
-    torch.manual_seed(7)
-    net = ResNetForImageClassification(config)
-    own = ctx.fit_and_score(net, 7)
+    net, own = ctx.trained(lambda: ResNetForImageClassification(config), 7)
     folder = ctx.work / "hf_resnet"
     net.save_pretrained(folder)
     how = f"save_pretrained (transformers {hf_version}), tiny ResNet, 1 channel"
@@ -438,11 +437,8 @@ def hugging_face(ctx: Ctx, cache: dict) -> list[Entry]:
 
 
 def model_args(ctx: Ctx, cache: dict) -> list[Entry]:
-    torch.manual_seed(8)
-    net = mlp_model(784, 10)
-    own = ctx.fit_and_score(net, 8)
-    path = ctx.work / "mlp_state.pt"
-    torch.save(net.state_dict(), path)
+    net, own = ctx.trained(lambda: mlp_model(784, 10), 8)
+    path = ctx.save_state(net, "mlp_state.pt")
     extra = ["--model-arg", "input_dim=784", "--model-arg", "output_dim=10"]
     how = "state dict; factory mlp_model(input_dim, output_dim), no defaults"
     return [Entry("--model-arg", how, "py:zoo_models:mlp_model", path, own, extra)]

@@ -283,10 +283,7 @@ def posterior_summary(post: Posterior) -> dict:
 
 def tagged_posteriors(posts: list[Posterior], paths: list[Path]) -> dict[str, Posterior]:
     """Posteriors keyed by their file stems (made unique), after checking they share one checkpoint."""
-    import re
-
     first = posts[0].meta
-    tags: dict[str, Posterior] = {}
     for post, path in zip(posts, paths, strict=True):
         for key in ("model", "checkpoint_sha256"):
             if post.meta.get(key) != first.get(key):
@@ -294,12 +291,22 @@ def tagged_posteriors(posts: list[Posterior], paths: list[Path]) -> dict[str, Po
                     f"{path} belongs to a different model ({key} {post.meta.get(key)!r} vs "
                     f"{first.get(key)!r} in {paths[0]}); compare posteriors of one checkpoint"
                 )
-        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or post.method
+    return dict(zip(file_tags(paths, [post.method for post in posts]), posts, strict=True))
+
+
+def file_tags(paths: list[Path], fallbacks: list[str]) -> list[str]:
+    """One tag per posterior file: its stem made safe (``fallbacks`` where nothing is left), with
+    ``-2``, ``-3`` … where stems repeat. Method names in reports are ``TAG/method``."""
+    import re
+
+    tags: list[str] = []
+    for path, fallback in zip(paths, fallbacks, strict=True):
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or fallback
         tag, n = base, 1
         while tag in tags:
             n += 1
             tag = f"{base}-{n}"
-        tags[tag] = post
+        tags.append(tag)
     return tags
 
 

@@ -114,7 +114,7 @@ def evaluate_cmd(
     from bayescli.evaluation.attacks import parse_epsilons
     from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
     from bayescli.evaluation.gates import check_gates, check_paths, parse_gate
-    from bayescli.evaluation.methods import expand_methods, parse_methods
+    from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.runner import EvalConfig, preprocess_key, run_grouped
     from bayescli.io import write_json
     from bayescli.metrics import low_accuracy_warning
@@ -152,7 +152,7 @@ def evaluate_cmd(
         ),
     )
     if gates:  # before any posterior, model or data is loaded
-        check_paths(gates, _expected(cfg, posterior, expand_methods))
+        check_paths(gates, _expected(cfg, posterior))
     posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict] = {}
@@ -317,21 +317,13 @@ def _value(value: float | None, fmt: str) -> str:
     return "no value: see the warnings" if value is None else f"value {value:{fmt}}"
 
 
-def _expected(cfg, paths: list[Path], expand_methods) -> dict:
+def _expected(cfg, paths: list[Path]) -> dict:
     """The results' skeleton for these options (method names prefixed with the file stems'
     tags as ``tagged_posteriors`` makes them when there are several posteriors)."""
-    import re
-
     from bayescli.evaluation.gates import expected_results
+    from bayescli.evaluation.methods import expand_methods
 
-    tags: list[str] = []
-    for path in paths:
-        base = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem) or "posterior"
-        tag, n = base, 1
-        while tag in tags:
-            n += 1
-            tag = f"{base}-{n}"
-        tags.append(tag)
+    tags = c.file_tags(paths, ["posterior"] * len(paths))
     methods = [m.name for m in expand_methods(cfg.methods, tags)]
     return expected_results(
         methods,

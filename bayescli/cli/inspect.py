@@ -79,19 +79,21 @@ def inspect_cmd(
         model_args=model_args or [],
         output=output,
     )
-    info: dict[str, Any] = {**loaded.describe(), "class_names": loaded.class_names}
+    seen: dict[str, Any] = {}
     if data is not None:
         test = c.load(data, data_root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
         c.check_labels(test, loaded.classifier.num_classes)
         stream = FeatureStream(loaded, test, batch_size, dev, whole_network=True)
         for _ in stream:  # the first batch checks the head split and the output kind
             pass
-        info = {**loaded.describe(), "class_names": loaded.class_names, "data": data, "inputs": stream.n}
+        seen = {"data": data, "inputs": stream.n}
         if not loaded.classifier.last_layer_exact:
             c.warn("the logits are not linear in the head's weights: only --subset all methods apply")
         if stream.accuracy is not None:
-            info["map_accuracy"] = stream.accuracy
+            seen["map_accuracy"] = stream.accuracy
             c.warn(low_accuracy_warning(stream.accuracy, loaded.classifier.num_classes, data))
+    # described after the pass: the output kind is only known once the network has run
+    info: dict[str, Any] = {**loaded.describe(), "class_names": loaded.class_names, **seen}
     names = info.pop("class_names")
     rows = flatten(info)
     rows.append(["class_names", ", ".join(names[:10]) + (f", … ({len(names)})" if len(names) > 10 else "")])

@@ -138,7 +138,7 @@ def predict_cmd(
         if link not in (None, Link.BRIDGE):
             raise typer.BadParameter("--bridge implies --link bridge", param_hint="--link")
         link = Link.BRIDGE
-    if fit_dirichlet and link is not Link.MC and link is not None:
+    if fit_dirichlet and link is not Link.MC:  # the default link is never mc
         raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
     if out is not None and out.suffix not in (".json", ".jsonl", ".safetensors"):
         raise typer.BadParameter("use a .json, .jsonl or .safetensors file", param_hint="--out")
@@ -162,8 +162,6 @@ def predict_cmd(
     native = post.native_dirichlet
     if link is None:
         link = Link.BRIDGE if native else Link.PROBIT
-    if fit_dirichlet and link is not Link.MC:
-        raise typer.BadParameter("--dirichlet needs --link mc", param_hint="--dirichlet")
     # a link other than the bridge reads a native Dirichlet through its Gaussian image
     image = native and link is not Link.BRIDGE and predictive is not Predictive.BNN
     approximation = GAUSSIAN_IMAGE if image else None

@@ -58,7 +58,7 @@ from torch.func import functional_call
 
 from bayescli.data import ArrayData, Data, load_data
 from bayescli.data.shifts import SYNTHETIC_OOD, parse_angles, rotate, synthetic_ood
-from bayescli.dirichlet import dirichlet_to_gaussian
+from bayescli.dirichlet import dirichlet_to_gaussian, minka_iterate, minka_step, stirling_precision
 from bayescli.errors import BayescliError, require
 from bayescli.features import extract_features
 from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, last_linear_name
@@ -231,12 +231,6 @@ def _psi_approx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return psi, psi1
 
 
-def _minka_step(z: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """``1/z ← 1/z + Δ₁/(z² Δ₂)`` (Newton on ``1/z``) clamped to ``[lo, hi]``; ``1/z ≤ 0`` → ``hi``."""
-    inv = 1 / z + d1 / (z.square() * d2)
-    return torch.where(inv > 0, 1 / inv.clamp_min(1e-300), torch.full_like(z, hi)).clamp(lo, hi)
-
-
 def fit_precision_fast(
     a_bar: torch.Tensor,
     log_a_bar: torch.Tensor,
@@ -257,13 +251,12 @@ def fit_precision_fast(
     so the old rule's confirming iteration (|Δz| ≤ 1e−5) is not paid. Typically 1 exact
     iteration instead of 3. Returns ``z`` and the exact iterations of the slowest row.
     """
-    n, k = a_bar.shape
+    n = a_bar.shape[0]
     lo, hi = float(min_precision), float(max_precision)
     if num_samples == 1:
         return torch.full((n,), hi, dtype=torch.float64, device=a_bar.device), 0
     cross = (a_bar * a_log).sum(-1)  # Σ ᾱ_k ᾰ_k, constant over the iterations
-    denom = -2 * (a_bar * (a_log - log_a_bar)).sum(-1)
-    z = torch.where(denom > 0, (k - 1) / denom.clamp_min(1e-300), torch.full_like(denom, hi)).clamp(lo, hi)
+    z = stirling_precision(a_bar, a_log, log_a_bar, lo, hi)
     ab32 = a_bar.float()
     ab32_sq = ab32.square()
     for _ in range(MINKA_CHEAP_STEPS):
@@ -272,25 +265,8 @@ def fit_precision_fast(
         psi_z, psi1_z = _psi_approx(zf)
         d1 = (psi_z - (ab32 * psi).sum(-1)).double() + cross
         d2 = (psi1_z - (ab32_sq * psi1).sum(-1)).double()
-        z = _minka_step(z, d1, d2, lo, hi)
-    active = torch.arange(n, device=a_bar.device)
-    iterations = 0
-    while active.numel() and iterations < max_iter:
-        every = active.numel() == n  # no gather/scatter while every row still moves
-        rows = slice(None) if every else active
-        za, ab, ab_sq, cr = z[rows], a_bar[rows], ab32_sq[rows], cross[rows]
-        zab = za[:, None] * ab
-        d1 = torch.digamma(za) - (ab * torch.digamma(zab)).sum(-1) + cr
-        d2 = torch.polygamma(1, za) - (ab_sq * torch.polygamma(1, zab.float())).sum(-1, dtype=torch.float64)
-        z_new = _minka_step(za, d1, d2, lo, hi)
-        moving = (z_new - za).abs() > MINKA_STOP * za
-        if every:
-            z = z_new
-        else:
-            z[active] = z_new
-        active = active[moving]
-        iterations += 1
-    return z, iterations
+        z = minka_step(z, d1, d2, lo, hi)
+    return minka_iterate(z, a_bar, cross, lo, hi, MINKA_STOP, max_iter, torch.float32)
 
 
 @torch.no_grad()
