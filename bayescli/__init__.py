@@ -1,6 +1,15 @@
 """bayescli: post-hoc Bayesian uncertainty for pretrained classifiers.
 
-The most used pieces are importable from the top level::
+The Python API (an ``nn.Module`` and a ``DataLoader`` in hand)::
+
+    import bayescli
+    post = bayescli.fit(net, train_loader, "laplace", val=val_loader)   # or "mnvi", "glm-vi", …
+    pred = post.predict(test_loader)                                      # .probs [N, K]
+    post.save("laplace.safetensors"); post = bayescli.load("laplace.safetensors", model=net)
+    report = bayescli.evaluate([post], test_loader, ood=[ood_loader])
+    bayescli.methods(); bayescli.settings("laplace")
+
+Lower-level pieces are importable from the top level too::
 
     from bayescli import load_classifier, load_data, extract_features, fit_laplace, predict
     from bayescli import laplace_bridge, uncertainty_topk, dirichlet_from_samples
@@ -24,20 +33,28 @@ _EXPORTS = {
     "dirichlet_to_gaussian": "bayescli.predictive.dirichlet",
     "entropy_of_mean": "bayescli.predictive.dirichlet",
     "expected_entropy": "bayescli.predictive.dirichlet",
+    "evaluate": "bayescli.api",
     "extract_features": "bayescli.features",
+    "fit": "bayescli.api",
+    "FitSource": "bayescli.fit_source",
     "fit_laplace": "bayescli.posterior",
     "laplace_bridge": "bayescli.predictive.dirichlet",
     "LaplacePosterior": "bayescli.posterior",
+    "load": "bayescli.api",
+    "load_posterior": "bayescli.posterior.base",
     "load_classifier": "bayescli.models",
     "load_data": "bayescli.data",
     "log_density": "bayescli.predictive.dirichlet",
     "LogitGaussian": "bayescli.posterior",
     "LowAccuracyWarning": "bayescli.errors",
     "mean": "bayescli.predictive.dirichlet",
+    "methods": "bayescli.api",
+    "Posterior": "bayescli.posterior.base",
     "mutual_information": "bayescli.predictive.dirichlet",
     "precision": "bayescli.predictive.dirichlet",
     "predict": "bayescli.predictive.glm",
     "ResizeWarning": "bayescli.errors",
+    "settings": "bayescli.api",
     "uncertainty_topk": "bayescli.predictive.topk",
     "variance": "bayescli.predictive.dirichlet",
 }

@@ -55,6 +55,14 @@ class Link(str, Enum):
     BRIDGE = "bridge"
 
 
+class Criterion(str, Enum):
+    """What a validation set scores when a hyperparameter is chosen: NLL, ECE or Brier."""
+
+    NLL = "nll"
+    ECE = "ece"
+    BRIER = "brier"
+
+
 class Subset(str, Enum):
     LAST_LAYER = "last-layer"
     ALL = "all"

@@ -29,7 +29,8 @@ from bayescli.data import load_data
 from bayescli.data.shifts import rotate
 from bayescli.metrics import accuracy, ece
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
-from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, train_dirichlet_fvi
+from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
+from bayescli.training import dirichlet_fvi as scratch
 
 HERE = Path(__file__).resolve().parent
 ANGLES = list(range(0, 181, 30))
@@ -87,7 +88,7 @@ def run_seed(train, test, epochs: int, seed: int, matched: float) -> dict[str, d
             seed=seed, model_kwargs=KWARGS, normalisation="pm1",
         )  # fmt: skip
         t0 = time.perf_counter()
-        clf, _, post = train_dirichlet_fvi("builtin:mlp", train, None, cfg, torch.device("cpu"))
+        clf, _, post = scratch.train("builtin:mlp", train, None, cfg, torch.device("cpu"))
 
         def predict(x, clf=clf, post=post):
             return post.sample_logits(post.members, clf, x, None, gen).softmax(-1).mean(0)

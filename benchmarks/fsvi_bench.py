@@ -49,9 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     print(setup_threads(), f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     phi, labels, head, context, test = synthetic(torch.Generator().manual_seed(0))
-    cfg = FSVIConfig(context_points=64)
-    if args.epochs:
-        cfg.epochs = args.epochs
+    cfg = FSVIConfig(context_points=64, **({"epochs": args.epochs} if args.epochs else {}))
     wall, cpu = time.perf_counter(), time.process_time()
     post = fit_last_layer(phi, labels, head, context, cfg)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

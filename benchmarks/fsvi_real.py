@@ -2,10 +2,11 @@
 
 Three models of ``builtin:small-cnn``, all through library calls:
 
-* MAP — :func:`bayescli.train.train_classifier` (AdamW, one-cycle);
-* FSVI from scratch — :func:`bayescli.posterior.vi.fsvi.train_fsvi` (monochrome context,
+* MAP — :func:`bayescli.training.classifier.train_classifier` (AdamW, one-cycle);
+* FSVI from scratch — :func:`bayescli.training.fsvi.train` (monochrome context,
   ``C_b = C_ctx = 32``, prior linearised about a random initialisation);
-* post-hoc last-layer FSVI on the MAP network — :func:`fit_fsvi` (monochrome context).
+* post-hoc last-layer FSVI on the MAP network — :func:`bayescli.posterior.vi.fsvi.fit` (monochrome
+  context; no validation data, so the principled ``c = 1``).
 
 Predictives: MAP softmax; FSVI by MC (``--samples`` draws) of the exact head logit Gaussian at the
 mean features — for the from-scratch model that is the head marginal of ``q`` with the feature
@@ -31,13 +32,15 @@ import torch
 from bayescli.data import load_data
 from bayescli.data.shifts import rotate
 from bayescli.features import extract_features
+from bayescli.fit_source import FitSource
 from bayescli.metrics import accuracy, ece, entropy, nll, ood_metrics
 from bayescli.models import load_classifier
 from bayescli.options import TrainConfig
 from bayescli.posterior.base import load_posterior
-from bayescli.posterior.vi.fsvi import FSVIConfig, fit_fsvi, train_fsvi
+from bayescli.posterior.vi import fsvi
 from bayescli.predictive.links import monte_carlo
-from bayescli.train import save_checkpoint, train_classifier
+from bayescli.training import fsvi as scratch_fsvi
+from bayescli.training.classifier import save_checkpoint, train_classifier
 
 HERE = Path(__file__).resolve().parent
 ANGLES = (0, 30, 60, 90, 120, 150, 180)
@@ -75,10 +78,10 @@ def main() -> None:
         clf, meta = train_classifier("builtin:small-cnn", train, None, TrainConfig(epochs=args.epochs), cpu)
         save_checkpoint(map_path, clf, meta)
         times["MAP training"] = time.perf_counter() - start
-    scratch_cfg = FSVIConfig(subset="all", epochs=args.epochs)
+    scratch_cfg = fsvi.FSVIConfig(subset="all", epochs=args.epochs)
     if not (args.reuse and fsvi_path.exists() and post_path.exists()):
         start = time.perf_counter()
-        clf, meta, post = train_fsvi("builtin:small-cnn", train, None, scratch_cfg, cpu)
+        clf, meta, post = scratch_fsvi.train("builtin:small-cnn", train, None, scratch_cfg, cpu)
         save_checkpoint(fsvi_path, clf, meta)
         post.meta |= {"model": "builtin:small-cnn", "checkpoint": str(fsvi_path)}
         post.save(post_path)
@@ -88,8 +91,7 @@ def main() -> None:
     scratch = load_posterior(post_path)
 
     start = time.perf_counter()
-    posthoc_cfg = FSVIConfig()
-    posthoc = fit_fsvi(map_model, train, None, posthoc_cfg, cpu)
+    posthoc = fsvi.fit(FitSource(map_model, train, device=cpu), fsvi.FSVIConfig())
     times["post-hoc FSVI fit"] = time.perf_counter() - start
 
     sets = {"test": test, "ood": ood} | {

@@ -26,7 +26,7 @@ from bayescli.models import load_classifier  # noqa: E402
 from bayescli.posterior.laplace import fit_laplace  # noqa: E402
 from bayescli.predictive.ggp import GGPPredictor  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier  # noqa: E402
+from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier  # noqa: E402
 
 
 def row(name: str, probs, labels, seconds: float) -> None:  # noqa: ANN001

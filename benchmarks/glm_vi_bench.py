@@ -29,9 +29,9 @@ from common import peak_rss_gib  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.errors import BayescliError  # noqa: E402
+from bayescli.fit_source import FitSource  # noqa: E402
 from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
-from bayescli.posterior.vi.ggp_vi import GGPVIConfig, fit_ggp_vi  # noqa: E402
-from bayescli.posterior.vi.glm_vi import GLMVIConfig, fit_glm_vi  # noqa: E402
+from bayescli.posterior.vi import ggp_vi, glm_vi  # noqa: E402
 
 N, D, K = 20_000, 512, 100
 
@@ -65,7 +65,8 @@ def run_part(part: str) -> dict:
     if part.startswith("glm"):
         cov = part.split("-")[1]
         try:
-            post = fit_glm_vi(model, data, None, GLMVIConfig(covariance=cov), cpu, batch_size=1024)
+            source = FitSource(model, data, device=cpu, batch_size=1024)
+            post = glm_vi.fit(source, glm_vi.GLMVIConfig(covariance=cov))
         except BayescliError as exc:
             return {"part": part, "refused": str(exc)}
         vi = post.meta["vi"]
@@ -83,9 +84,8 @@ def run_part(part: str) -> dict:
     walls, cpus = [], []
     for epochs in (1, 3):
         t0, c0 = time.perf_counter(), cpu_seconds()
-        post = fit_ggp_vi(
-            model, data, None, GGPVIConfig(inducing_points=500, prior_precision=1.0, epochs=epochs), cpu
-        )
+        settings = ggp_vi.GGPVIConfig(inducing_points=500, prior_precision=1.0, epochs=epochs)
+        post = ggp_vi.fit(FitSource(model, data, device=cpu), settings)
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu_seconds() - c0)
     return {

@@ -9,7 +9,7 @@ Post hoc, every method picks its prior precision δ from 10 log-spaced values in
 seed's grid) by validation NLL of its own predictive, then reports test NLL and ECE:
 
 * MAP — the network.
-* BBB — mean-field VI on all weights (``fit_bbb`` from the MAP weights, σ from 0.05, 500
+* BBB — mean-field VI on all weights (``bbb.fit`` from the MAP weights, σ from 0.05, 500
   full-batch Adam steps, lr 1e-2; BNN predictive, 100 draws).
 * BNN Laplace — all-layer diagonal GGN Laplace, BNN predictive (100 network draws).
 * GLM Laplace (all, diag) — the same posterior through the linearised network (MC link, 1000).
@@ -38,12 +38,11 @@ from sklearn.model_selection import train_test_split
 
 from bayescli.data import ArrayData
 from bayescli.features import Features, extract_features
+from bayescli.fit_source import FitSource
 from bayescli.metrics import ece, nll
 from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, last_linear_name
 from bayescli.posterior.laplace import fit_laplace
-from bayescli.posterior.vi.bbb import BBBConfig, fit_bbb
-from bayescli.posterior.vi.ggp_vi import GGPVIConfig, fit_ggp_vi
-from bayescli.posterior.vi.glm_vi import GLMVIConfig, fit_glm_vi
+from bayescli.posterior.vi import bbb, ggp_vi, glm_vi
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.glm import predict
 
@@ -129,12 +128,15 @@ def run(name: str, depth: int) -> dict[str, tuple[float, float, float]]:
         out[column] = select(fit_predict, val, test)
         times[column] = time.perf_counter() - start
 
-    def bbb(delta: float):  # noqa: ANN202
-        cfg = BBBConfig(prior_precision=delta, epochs=500, lr=1e-2, batch_size=len(train), init_std=0.05)
-        post = fit_bbb(model, train, None, cfg, CPU)
+    # one source per dataset: the methods share its backbone pass (as ``bayescli select`` does)
+    source = FitSource(model, train, device=CPU)
+
+    def bbb_at(delta: float):  # noqa: ANN202
+        cfg = bbb.BBBConfig(prior_precision=delta, epochs=500, lr=1e-2, batch_size=len(train), init_std=0.05)
+        post = bbb.fit(source, cfg)
         return glm(post, f_va, val, "bnn"), glm(post, f_te, test, "bnn")
 
-    timed("BBB", bbb)
+    timed("BBB", bbb_at)
 
     lap_all = fit_laplace(clf, batches=[(train.x, train.y)], subset="all", structure="diag")
 
@@ -157,9 +159,7 @@ def run(name: str, depth: int) -> dict[str, tuple[float, float, float]]:
         timed(f"GLM Lapl {structure}", lap_at)
 
         def vi_at(delta: float, structure: str = structure):  # noqa: ANN202
-            post = fit_glm_vi(
-                model, train, None, GLMVIConfig(covariance=structure, prior_precision=delta), CPU
-            )
+            post = glm_vi.fit(source, glm_vi.GLMVIConfig(covariance=structure, prior_precision=delta))
             return glm(post, f_va, val), glm(post, f_te, test)
 
         timed(f"GLM VI {structure}", vi_at)
@@ -173,7 +173,7 @@ def run(name: str, depth: int) -> dict[str, tuple[float, float, float]]:
     timed("GGP Lapl", ggp_at)
 
     def ggp_vi_at(delta: float):  # noqa: ANN202
-        post = fit_ggp_vi(model, train, None, GGPVIConfig(prior_precision=delta), CPU)
+        post = ggp_vi.fit(source, ggp_vi.GGPVIConfig(prior_precision=delta))
         return glm(post, f_va, val), glm(post, f_te, test)
 
     timed("GGP VI", ggp_vi_at)

@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import peak_rss_gib, setup_threads  # noqa: E402
 
-from bayescli.posterior.vi.mnvi import MNVIConfig, fit_mnvi_features  # noqa: E402
+from bayescli.posterior.vi.mnvi import MNVIConfig, fit_features  # noqa: E402
 from bayescli.posterior.vi.moments import MomentPropagator  # noqa: E402
 from bayescli.progress import set_enabled  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
     phi, labels, head = synthetic(n, d, k)
     cfg = MNVIConfig(variant=args.variant)
     start, cpu = time.perf_counter(), time.process_time()
-    post = fit_mnvi_features(phi, labels, head, cfg)
+    post = fit_features(phi, labels, head, cfg)
     fit_s, fit_cpu = time.perf_counter() - start, time.process_time() - cpu
     curve = post.meta["curve"]
     print(f"1. last-layer fit ({args.variant}, N={n}, D={d}, K={k}, {post.config['epochs']} epochs, "

@@ -2,9 +2,9 @@
 
 C-1 (VI-SPEC C5): conv(1→4,3×3) → ReLU → maxpool2 → BN(eval, random stats) → flatten →
 linear(36→16) → ReLU → linear(16→5) on 8×8 inputs, per-unit noise ``a·U(0.5, 1.5)`` in every
-conv/linear layer, built exactly as ``tests/test_mnvi.py::c1_net`` (net seed 6 is the test's net;
-seeds 7–10 are four more). Monte Carlo draws per-weight noise ``w = m(1 + √a ε)`` once per draw,
-so a conv weight is shared by all positions (the model of [002:(5)]).
+conv/linear layer, built by ``tests/mnvi_nets.py::c1_net`` (shared with the test; net seed 6 is
+the test's net, seeds 7–10 are four more). Monte Carlo draws per-weight noise ``w = m(1 + √a ε)``
+once per draw, so a conv weight is shared by all positions (the model of [002:(5)]).
 
 For every layer three numbers are compared on every unit of every input:
 
@@ -31,29 +31,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayescli.posterior.vi.moments import MomentPropagator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from mnvi_nets import c1_net  # noqa: E402
+
+from bayescli.posterior.vi.moments import MomentPropagator  # noqa: E402
 
 NAMES = ["conv", "relu", "maxpool", "bn", "flatten", "linear1", "relu", "linear2"]
 NOISY = {0: "0", 5: "5", 7: "7"}
-
-
-def c1_net(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    net = nn.Sequential(
-        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.BatchNorm2d(4), nn.Flatten(),
-        nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 5),
-    ).double()  # fmt: skip
-    with torch.no_grad():
-        net[3].running_mean.uniform_(0, 0.5)
-        net[3].running_var.uniform_(0.2, 1.0)
-        net[3].weight.uniform_(0.5, 1.5)
-        net[3].bias.uniform_(-0.5, 0.5)
-    return net.eval()
 
 
 def noise_for(prop: MomentPropagator, a: float, seed: int = 8) -> dict:

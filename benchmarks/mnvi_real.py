@@ -1,13 +1,14 @@
 """MNVI on real MNIST / notMNIST through library calls (VI-SPEC C-2, C-3).
 
 * C-2: ``builtin:lenet`` trained on MNIST test[:5000] deterministically (the project trainer,
-  ``bayescli.train.train_classifier``) and with MNVI from scratch ([002] LeNet settings:
+  ``bayescli.training.classifier.train_classifier``) and with MNVI from scratch ([002] LeNet settings:
   κ/N = 2e-7, σ² = 1e-3, ρ0 = −3, AMSGrad 1e-3, B = 64, clip 0.1, lr ×0.1 after half the
   epochs); both evaluated on test[5000:] (accuracy, NLL, ECE with 15 and 20 bins), MNVI through
   moment propagation and the MC predictive [002:(20)] with 1000 logit samples.
 * C-3: last-layer MNVI post hoc on the deterministic LeNet (noise-only and mean-and-noise,
-  default κ/N = 1/N and σ² = mean(W_MAP²), fitted on test[:5000]; and ``select`` on the C4 grid
-  with test[5000:6000] as validation, then evaluated on test[6000:]) vs MAP: NLL, ECE,
+  default κ/N = 1/N and σ² = mean(W_MAP²), fitted on test[:5000]; and κ/N chosen on
+  test[5000:6000] as validation (the default with validation data: a grid from 10/N down to the
+  MAP limit), then evaluated on test[6000:]) vs MAP: NLL, ECE,
   notMNIST AUROC (max-probability score).
 
 Run: ``PYTHONPATH=. python benchmarks/mnvi_real.py [--shared ../shared] [--epochs 20]`` (~1.5 min,
@@ -26,11 +27,13 @@ import torch
 
 from bayescli import metrics
 from bayescli.data import load_data
+from bayescli.fit_source import FitSource
 from bayescli.models import load_classifier
-from bayescli.posterior.vi.mnvi import MNVIConfig, fit_mnvi, train_mnvi
+from bayescli.posterior.vi.mnvi import MNVIConfig, fit
 from bayescli.predictive.links import monte_carlo
 from bayescli.progress import set_enabled
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.training import mnvi as mnvi_training
+from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 HERE = Path(__file__).resolve().parent
 MC_SAMPLES = 1000
@@ -82,7 +85,9 @@ def main() -> None:
     det, det_meta = train_classifier("builtin:lenet", train, None, TrainConfig(epochs=args.epochs), cpu)
     times["deterministic"] = time.perf_counter() - start
     start = time.perf_counter()
-    mn_clf, _, mn_post = train_mnvi("builtin:lenet", train, None, MNVIConfig(epochs=args.epochs), cpu)
+    mn_clf, _, mn_post = mnvi_training.train(
+        "builtin:lenet", train, None, MNVIConfig(epochs=args.epochs), cpu
+    )
     times["mnvi-scratch"] = time.perf_counter() - start
     n_params = sum(p.numel() for p in det.net.parameters())
     n_noise = sum(r.numel() for r in mn_post.rho.values())
@@ -108,7 +113,7 @@ def main() -> None:
     print(row("MAP", p_det, test.y, softmax(det, ood)))
     for variant in ("noise-only", "mean-and-noise"):
         start = time.perf_counter()
-        post = fit_mnvi(model, train, None, MNVIConfig(variant=variant), cpu)
+        post = fit(FitSource(model, train, device=cpu), MNVIConfig(variant=variant))
         times[f"post-hoc {variant}"] = time.perf_counter() - start
         label = f"MNVI last-layer {variant}"
         print(row(label, predictive(post, clf, test), test.y, predictive(post, clf, ood)))
@@ -117,17 +122,17 @@ def main() -> None:
               f"[{s['noise_min']:.3f}, {s['noise_max']:.3f}]")  # fmt: skip
     val, rest = test.subset(slice(0, 1000), rows="5000:6000"), test.subset(slice(1000, None), rows="6000:")
     start = time.perf_counter()
-    post = fit_mnvi(model, train, val, MNVIConfig(select=True), cpu)
+    post = fit(FitSource(model, train, val, device=cpu), MNVIConfig())
     times["post-hoc select"] = time.perf_counter() - start
     sel = post.meta["selection"]
-    print(f"select (val test[5000:6000]): κ/N {sel['kl_weight']:.3g}, σ² {sel['prior_var']:.3g}; "
-          "val NLL grid: " + ", ".join(f"({r['kl_weight']:.2g}, {r['prior_var']:.2g}) {r['val_nll']:.4f}"
-                                       for r in sel["curve"]))  # fmt: skip
+    print(f"select (val test[5000:6000]): κ/N {sel['chosen']:.3g}, σ² {sel['fixed']['prior_var']:.3g}; "
+          f"MAP val NLL {sel['map_validation']['nll']:.4f}; val NLL grid: "
+          + ", ".join(f"{r['kl_weight']:.2g} {r['nll']:.4f}" for r in sel["curve"]))  # fmt: skip
     print("on test[6000:]:")
     print(row("MAP", softmax(det, rest), rest.y, softmax(det, ood)))
     print(
         row(
-            "MNVI last-layer noise-only, select",
+            "MNVI last-layer noise-only, chosen κ",
             predictive(post, clf, rest),
             rest.y,
             predictive(post, clf, ood),

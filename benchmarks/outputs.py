@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import peak_rss_gib, setup_threads  # noqa: E402
 
-from bayescli.cli.predict import rows  # noqa: E402
 from bayescli.io import save_tensors, write_json, write_jsonl  # noqa: E402
 from bayescli.posterior.laplace import LaplacePosterior  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402
+from bayescli.predictive.outputs import prediction_rows  # noqa: E402
 
 N, D, K = 40_000, 256, 100
 
@@ -50,11 +50,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         arrays = {"probs": probs, "labels": labels}
+
+        def rows():
+            return prediction_rows(probs, labels, names, {})
+
         times = {
-            ".json": timed(lambda: write_json(out / "p.json", {**report, "rows": list(rows(probs, labels, names, {}))})),  # noqa: E501
-            ".jsonl": timed(lambda: write_jsonl(out / "p.jsonl", report, rows(probs, labels, names, {}))),
+            ".json": timed(lambda: write_json(out / "p.json", {**report, "rows": list(rows())})),
+            ".jsonl": timed(lambda: write_jsonl(out / "p.jsonl", report, rows())),
             ".safetensors": timed(lambda: save_tensors(out / "p.safetensors", arrays, report)),
-        }  # fmt: skip
+        }
         sizes = {k: (out / f"p{k}").stat().st_size / 2**20 for k in times}
     print(f"GLM + probit predictive, {N:,} inputs of {D}→{K}: {t_pred:.2f} s")
     print(f"{'output':<14} {'seconds':>8} {'× predictive':>13} {'MiB':>7}")

@@ -13,7 +13,9 @@ from hypothesis import settings
 from bayescli import progress
 from bayescli.cli.app import main
 from bayescli.data import load_data
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.fitting import ModelOptions, fit_from_specs
+from bayescli.laplace_fit import LaplaceSettings
+from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 # OMP_NUM_THREADS, when set, is honoured: the suite is checked under 1 and 2 threads.
 if "OMP_NUM_THREADS" not in os.environ:
@@ -61,25 +63,12 @@ def digits_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def digits_posterior(digits_ckpt, tmp_path_factory) -> Path:
-    """A last-layer kron posterior fitted through the CLI."""
+    """A last-layer kron posterior with the marglik prior, fitted and written by the library call
+    behind ``bayescli fit-laplace`` (the CLI's own path is covered by tests/test_api.py)."""
     path = tmp_path_factory.mktemp("post") / "post.safetensors"
-    try:
-        main(
-            [
-                "fit-laplace",
-                "--model",
-                "builtin:small-cnn",
-                "--checkpoint",
-                str(digits_ckpt),
-                "--data",
-                "digits:train",
-                "--out",
-                str(path),
-                "--quiet",
-            ]
-        )
-    except SystemExit as exc:
-        assert exc.code == 0
+    model = ModelOptions("builtin:small-cnn", digits_ckpt)
+    marglik = LaplaceSettings(prior_precision="auto")
+    fit_from_specs("laplace", model, "digits:train", settings=marglik, out=path)
     return path
 
 

@@ -13,6 +13,7 @@ from vi_oracles import glm_elbo, last_layer_design, maximise_elbo
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
+from bayescli.fit_source import FitSource
 from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.bbb import (
@@ -21,10 +22,10 @@ from bayescli.posterior.vi.bbb import (
     BBBConfig,
     BBBPosterior,
     bayesian_copy,
-    fit_bbb,
+    fit,
     gaussian_kl,
-    train_bbb,
 )
+from bayescli.training import bbb as bbb_training
 
 CPU = torch.device("cpu")
 
@@ -79,7 +80,7 @@ def test_bbb_on_a_linear_model_reaches_the_mean_field_glm_optimum():
     largest parameter error was 0.04 (scale 0.75) and the ELBO gap 0.05 nats; tolerances 0.4 and 0.5."""
     data, delta = logistic_data(), 0.7
     cfg = BBBConfig(prior_precision=delta, epochs=2000, lr=1e-2, batch_size=40, init_std=0.1)
-    post = fit_bbb(linear_model(), data, None, cfg, CPU)
+    post = fit(FitSource(linear_model(), data), cfg)
     # BBB stores weight [2, 2] then bias [2]; the GLM's order is row-major [K, D+1]
     mean = torch.cat([post.mean[:4].reshape(2, 2), post.mean[4:, None]], 1).reshape(-1).double()
     std = torch.cat([post.std[:4].reshape(2, 2), post.std[4:, None]], 1).reshape(-1).double()
@@ -101,7 +102,7 @@ def test_round_trip_and_predictive(tmp_path):
         "",
         {},
     )
-    post = fit_bbb(model, data, None, BBBConfig(epochs=3, samples=50), CPU)
+    post = fit(FitSource(model, data), BBBConfig(epochs=3, samples=50))
     assert post.meta["start"] == "checkpoint" and len(post.meta["vi"]["objective"]) == 3
     path = tmp_path / "bbb.safetensors"
     post.save(path)
@@ -117,7 +118,8 @@ def test_round_trip_and_predictive(tmp_path):
 
 def test_train_from_scratch_and_conv_nets():
     train = load_data("digits:train[:200]")
-    clf, meta, post = train_bbb("builtin:small-cnn", train, None, BBBConfig(epochs=1, batch_size=64), CPU)
+    cfg = BBBConfig(epochs=1, batch_size=64)
+    clf, meta, post = bbb_training.train("builtin:small-cnn", train, None, cfg, CPU)
     assert post.meta["start"] == "scratch" and meta["training"]["method"] == "bbb"
     theta = torch.cat([p.detach().reshape(-1) for p in clf.net.parameters()])
     assert torch.equal(theta, post.mean)  # the checkpoint carries the means
@@ -125,7 +127,7 @@ def test_train_from_scratch_and_conv_nets():
 
 
 def test_refusals():
-    with pytest.raises(BayescliError, match="--subset all"):
+    with pytest.raises(BayescliError, match="use subset 'all'"):
         BBBConfig(subset="last-layer")
     with pytest.raises(BayescliError, match="BatchNorm"):
         bayesian_copy(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 2)), 0.1)

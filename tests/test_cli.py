@@ -44,7 +44,7 @@ def test_train_writes_checkpoint_with_metadata(cli, tmp_path):
 def test_small_cnn_reaches_95_percent_on_digits(digits_ckpt):
     from bayescli.data import load_data
     from bayescli.models import load_classifier
-    from bayescli.train import accuracy
+    from bayescli.training.classifier import accuracy
 
     loaded = load_classifier("builtin:small-cnn", digits_ckpt)
     assert accuracy(loaded.classifier, load_data("digits:test"), "cpu") >= 0.95

@@ -1,6 +1,7 @@
 """Dirichlet fVI (VI-SPEC A): Minka, the eq. 6 KL and its gradient, label-smoothing equivalence,
 the Laplace-bridge currency, post-hoc and from-scratch families, save/load."""
 
+import dataclasses
 import json
 import math
 
@@ -20,28 +21,33 @@ from bayescli.dirichlet import (
     log_density,
 )
 from bayescli.errors import BayescliError
+from bayescli.fit_source import FitSource
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name, load_classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
+from bayescli.posterior.selection import Criterion
 from bayescli.posterior.vi.dirichlet_fvi import (
     FAMILIES,
-    GAMMA,
+    PRINCIPLED_RULE,
+    TAU_GRID,
     DirichletFVIConfig,
     DirichletFVIPosterior,
     default_tau,
-    dirichlet_kl,
     dirichlet_nll,
-    fit_dirichlet_fvi,
-    fvi_loss,
-    head_logits,
-    parse_beta,
-    parse_model_kwargs,
-    posterior_alpha,
-    train_dirichlet_fvi,
+    fit,
 )
+from bayescli.posterior.vi.dirichlet_fvi_objective import (
+    GAMMA,
+    dirichlet_kl,
+    fvi_loss,
+    parse_beta,
+    posterior_alpha,
+)
+from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits
 from bayescli.predictive.dirichlet import bridge_alpha, laplace_bridge
 from bayescli.predictive.links import apply_link
-from bayescli.train import TrainConfig, channel_stats, save_checkpoint, train_classifier
+from bayescli.training import dirichlet_fvi as scratch
+from bayescli.training.classifier import TrainConfig, channel_stats, save_checkpoint, train_classifier
 
 CPU = torch.device("cpu")
 # float64 elementwise formulas over K ≤ 100 terms: rounding ≲ K·eps ≈ 2e-14 relative; 1e-10 keeps
@@ -372,7 +378,7 @@ def test_map_fvi_equals_label_smoothing(smoothing, bound):
         model_kwargs="hidden=32,depth=1",
         smoothing=smoothing,
     )
-    clf, meta, post = train_dirichlet_fvi("builtin:mlp", train, None, cfg, CPU)
+    clf, meta, post = scratch.train("builtin:mlp", train, None, cfg, CPU)
     ref = label_smoothing_reference(train, 1.0, 128, 10, 3)
     with torch.no_grad():
         x = test.inputs(slice(None))
@@ -402,18 +408,26 @@ def test_post_hoc_families_fit_save_and_load(family, mlp_ckpt, tmp_path):
     model = load_classifier("builtin:mlp", mlp_ckpt)
     train, test = load_data("digits:train"), load_data("digits:test")
     cfg = DirichletFVIConfig(family=family, members=3, epochs=2, batch_size=128)
-    post = fit_dirichlet_fvi(model, train, None, cfg, CPU)
+    post = fit(FitSource(model, train), cfg)
     phi = model.classifier.features(test.inputs(slice(0, 50))).detach()
     lg = post.logit_gaussian(phi)
     assert lg.alpha.shape == (50, 10) and lg.cov.shape == (50, 10, 10)
-    assert post.members == (1 if family == "map" else 3) and post.tau == default_tau(10)
-    assert {"history", "fit_seconds", "tau_selection", "config"} <= set(post.meta)
+    # no validation data: the seed's effective KL weight at this N (τ = N/60,000 for K = 10)
+    assert post.members == (1 if family == "map" else 3) and post.tau == len(train) / 60_000
+    assert post.meta["selection"] == {
+        "method": "default",
+        "validated": False,
+        "setting": "tau",
+        "chosen": post.tau,
+        "rule": PRINCIPLED_RULE,
+    }
+    assert {"history", "fit_seconds", "selection", "config"} <= set(post.meta)
     assert math.isfinite(post.meta["history"][-1]["loss"])
     post.save(tmp_path / "p.safetensors")
     back = load_posterior(tmp_path / "p.safetensors")
     assert isinstance(back, DirichletFVIPosterior) and back.family == family
     assert torch.equal(back.logit_gaussian(phi).alpha, lg.alpha)  # same tensors, same seeded noise
-    assert back.summary()["family"] == family
+    assert back.summary()["family"] == family and back.summary()["tau_method"] == "default"
     draws = back.sample_logits(6, model.classifier, None, phi, torch.Generator().manual_seed(0))
     assert draws.shape == (6, 50, 10)
 
@@ -421,36 +435,51 @@ def test_post_hoc_families_fit_save_and_load(family, mlp_ckpt, tmp_path):
 def test_ensemble_members_start_apart_and_stay_diverse(mlp_ckpt):
     model = load_classifier("builtin:mlp", mlp_ckpt)
     cfg = DirichletFVIConfig(family="ensemble", members=3, epochs=1, batch_size=128)
-    post = fit_dirichlet_fvi(model, load_data("digits:train"), None, cfg, CPU)
+    post = fit(FitSource(model, load_data("digits:train")), cfg)
     w = post.params["weight"]
     spread = (w - w.mean(0)).square().mean().sqrt() / model.classifier.head.weight.square().mean().sqrt()
     assert float(spread.detach()) > 0.02  # started ~0.1·rms apart (0.08 expected for 3 members)
 
 
-def test_select_picks_the_lowest_validation_nll(mlp_ckpt):
+def test_explicit_tau_is_used_as_given_and_select_false_skips_validation(mlp_ckpt):
     model = load_classifier("builtin:mlp", mlp_ckpt)
-    train, val = load_data("digits:train"), load_data("digits:val")
-    cfg = DirichletFVIConfig(family="map", epochs=1, batch_size=128, select=True)
-    post = fit_dirichlet_fvi(model, train, val, cfg, CPU)
-    sel = post.meta["tau_selection"]
-    curve = sel["curve"]
-    assert sel["method"] == "val-nll" and len(curve) == 5
-    best = min(curve, key=lambda r: r["val_nll"])
-    assert post.tau == best["tau"]
-    phi = model.classifier.features(val.inputs(slice(None))).detach()
-    assert_close(dirichlet_nll(post.alpha_features(phi), val.y), best["val_nll"], rtol=1e-12, what="val NLL")
+    source = FitSource(model, load_data("digits:train"), load_data("digits:val"))
+    post = fit(source, DirichletFVIConfig(family="map", tau=0.3, epochs=1))
+    assert post.tau == 0.3 and post.meta["selection"]["method"] == "fixed"
+    assert not post.meta["selection"]["validated"]
+    post = fit(source, DirichletFVIConfig(family="map", epochs=1, select=False))
+    assert post.meta["selection"]["method"] == "default"
+    assert not source.has_features(source.val)  # neither fit needed the validation features
 
 
-@pytest.mark.parametrize("index_data", ["rotate:90,180", "noise:uniform"])
+@pytest.mark.parametrize("index_data", ["rotate:90,180", "noise:uniform", "pool"])
 def test_index_data_enriches_the_kl(index_data, mlp_ckpt):
     model = load_classifier("builtin:mlp", mlp_ckpt)
     train = load_data("digits:train")
-    base = fit_dirichlet_fvi(model, train, None, DirichletFVIConfig(family="map", epochs=1), CPU)
-    cfg = DirichletFVIConfig(family="map", epochs=1, index_data=index_data)
-    post = fit_dirichlet_fvi(model, train, None, cfg, CPU)
-    assert post.meta["index_data"] == index_data
+    source = FitSource(model, train)
+    base = fit(source, DirichletFVIConfig(family="map", epochs=1))
+    given = load_data("digits:test") if index_data == "pool" else index_data
+    cfg = DirichletFVIConfig(family="map", epochs=1, index_data=given)
+    assert cfg.data_specs() == {}  # keywords and loaded Data need no loading by the caller
+    post = fit(source, cfg)
+    assert post.meta["index_data"] == ("digits:test" if index_data == "pool" else index_data)
     # the same labelled batches, more index points: the KL term differs
     assert post.meta["history"][0]["kl"] != base.meta["history"][0]["kl"]
+
+
+def test_an_index_data_spec_is_the_callers_to_load(mlp_ckpt):
+    model = load_classifier("builtin:mlp", mlp_ckpt)
+    cfg = DirichletFVIConfig(family="map", epochs=1, index_data="digits:test")
+    assert cfg.data_specs() == {"index_data": "digits:test"}
+    source = FitSource(model, load_data("digits:train"))
+    with pytest.raises(BayescliError, match="index_data 'digits:test' is a data spec"):
+        fit(source, cfg)
+    loaded = dataclasses.replace(cfg, index_data=load_data("digits:test"))
+    assert loaded.data_specs() == {}
+    assert fit(source, loaded).meta["config"]["index_data"] == "digits:test"
+    with pytest.raises(BayescliError, match="same shape"):
+        cropped = load_data("digits:test").map_inputs(lambda x: x[..., :4], shape=(1, 8, 4))
+        fit(source, dataclasses.replace(cfg, index_data=cropped))
 
 
 @pytest.mark.parametrize("family", ["ensemble", "mfvi", "dropout"])
@@ -466,7 +495,7 @@ def test_from_scratch_families_checkpoint_and_posterior_round_trip(family, tmp_p
         normalisation="pm1",
         index_data="rotate:90" if family == "dropout" else None,
     )
-    clf, meta, post = train_dirichlet_fvi("builtin:mlp", train, None, cfg, CPU)
+    clf, meta, post = scratch.train("builtin:mlp", train, None, cfg, CPU)
     assert post.subset is Subset.ALL and meta["model_kwargs"] == {"hidden": 16, "depth": 1}
     assert meta["normalisation"] == {"mean": [0.5], "std": [0.5]}
     save_checkpoint(tmp_path / "c.safetensors", clf, meta)
@@ -485,44 +514,63 @@ def test_from_scratch_families_checkpoint_and_posterior_round_trip(family, tmp_p
         assert_close(draws[0], clf(x).detach(), rtol=1e-6, atol=1e-6, what="member 0 = checkpoint")
 
 
+def test_from_scratch_select_trains_one_network_per_grid_point_and_keeps_the_best():
+    train, val = load_data("digits:train"), load_data("digits:val")
+    cfg = DirichletFVIConfig(
+        family="map", epochs=1, batch_size=128, model_kwargs="hidden=8,depth=1", select=True
+    )
+    clf, meta, post = scratch.train("builtin:mlp", train, val, cfg, CPU)
+    record = post.meta["selection"]
+    assert record["validated"] and record["extensions"] == 0  # each point is a training run
+    assert record["grid"] == [default_tau(10) * f for f in TAU_GRID] and meta["training"]["tau"] == post.tau
+    best = min(record["curve"], key=lambda row: row["nll"])
+    assert post.tau == record["chosen"] == best["tau"]
+    alpha = post.alpha_inputs(clf, val.inputs(slice(None)))
+    # the returned network and posterior are the chosen run's: its validation NLL, recomputed
+    assert_close(dirichlet_nll(alpha, val.y), best["nll"], rtol=1e-12, what="validation NLL of the kept run")
+    without = scratch.train("builtin:mlp", train, val, dataclasses.replace(cfg, select=None), CPU)[2]
+    assert without.tau == default_tau(10) and without.meta["selection"]["method"] == "default"
+
+
 def test_parsing_and_bad_input(mlp_ckpt):
     assert default_tau(10) == 1.0 and default_tau(100) == 0.1 and default_tau(1000) == 0.01
     samples = {f: DirichletFVIConfig(family=f, members=4).step_samples for f in FAMILIES}
     assert samples == {"ensemble": 4, "mfvi": 4, "map": 1, "dropout": 1}
     assert torch.equal(parse_beta(2.0, 3), torch.full((3,), 2.0, dtype=torch.float64))
     assert parse_beta("1,2,3", 3).tolist() == [1.0, 2.0, 3.0]
-    assert parse_model_kwargs("hidden=50, depth=2,act=relu") == {"hidden": 50, "depth": 2, "act": "relu"}
+    assert scratch.parse_model_kwargs("hidden=50, depth=2,act=relu") == {
+        "hidden": 50,
+        "depth": 2,
+        "act": "relu",
+    }
     for bad in ("1,2", "0", "x"):
         with pytest.raises(BayescliError):
             parse_beta(bad, 3)
+    bad_settings = (
+        ({"family": "laplace"}, "unknown family 'laplace'"),
+        ({"family": "ensemble", "members": 1}, "an ensemble needs members >= 2"),
+        ({"tau": -1.0}, "tau must be >= 0"),
+        ({"select": True, "tau": 0.5}, "select=True chooses tau on validation data, but tau = 0.5"),
+        ({"select_by": "auc"}, "select_by must be one of nll, ece, brier"),
+        ({"index_data": 3}, "index_data must be a keyword"),
+    )
+    for values, message in bad_settings:
+        with pytest.raises(BayescliError, match=message):
+            DirichletFVIConfig(**values)
+    assert DirichletFVIConfig(select_by="brier").select_by is Criterion.BRIER
     model = load_classifier("builtin:mlp", mlp_ckpt)
     train = load_data("digits:train")
-    for cfg in (
-        DirichletFVIConfig(family="laplace"),
-        DirichletFVIConfig(family="ensemble", members=1),
-        DirichletFVIConfig(select=True),
-        DirichletFVIConfig(subset="all"),
-        DirichletFVIConfig(tau=-1.0),
-    ):
-        with pytest.raises(BayescliError):
-            fit_dirichlet_fvi(model, train, None, cfg, CPU)
+    source = FitSource(model, train)
+    with pytest.raises(BayescliError, match="give validation data"):
+        fit(source, DirichletFVIConfig(select=True))
+    with pytest.raises(BayescliError, match="subset last-layer"):
+        fit(source, DirichletFVIConfig(subset="all"))
+    with pytest.raises(BayescliError, match="builtin models"):
+        scratch.train("timm:resnet18", train, None, DirichletFVIConfig(), CPU)
+    with pytest.raises(BayescliError, match="give labelled validation data"):
+        scratch.train("builtin:mlp", train, None, DirichletFVIConfig(select=True), CPU)
     with pytest.raises(BayescliError):
-        train_dirichlet_fvi("timm:resnet18", train, None, DirichletFVIConfig(), CPU)
-    with pytest.raises(BayescliError):
-        parse_model_kwargs("hidden")
-
-
-def test_select_warns_when_the_chosen_tau_is_an_edge_of_the_grid():
-    from bayescli.posterior.vi.dirichlet_fvi import _selection
-
-    cfg = DirichletFVIConfig(select=True)
-    points = [(0.1, 0.3), (0.3, 0.4), (1.0, 0.5), (3.0, 0.6), (10.0, 0.7)]
-    curve = [{"tau": t, "val_nll": v} for t, v in points]
-    low = _selection(cfg, curve, 0.1)
-    assert "smallest" in low["warning"] and "--tau" in low["warning"]
-    assert "largest" in _selection(cfg, curve, 10.0)["warning"]
-    assert "warning" not in _selection(cfg, curve, 1.0)
-    assert "warning" not in _selection(DirichletFVIConfig(), [], 1.0)  # no search, nothing to say
+        scratch.parse_model_kwargs("hidden")
 
 
 def test_predict_defaults_to_the_dirichlet_mean_and_labels_links_through_its_gaussian_image(
@@ -532,8 +580,8 @@ def test_predict_defaults_to_the_dirichlet_mean_and_labels_links_through_its_gau
     ``--link`` returns ``α/α₀`` exactly; any other link reads the Gaussian image of that
     Dirichlet and is labelled an approximation (method name, JSON field) and ``--link mc`` warns."""
     path = tmp_path / "d.safetensors"
-    fit = ("fit-vi", "--method", "dirichlet-fvi", "--model", "builtin:mlp", "--checkpoint", mlp_ckpt)
-    assert cli(*fit, "--data", "digits:train", "--members", "3", "--epochs", "2", "--out", path).code == 0
+    fit_cmd = ("fit-vi", "--method", "dirichlet-fvi", "--model", "builtin:mlp", "--checkpoint", mlp_ckpt)
+    assert cli(*fit_cmd, "--data", "digits:train", "--members", "3", "--epochs", "2", "--out", path).code == 0
     model, post = load_classifier("builtin:mlp", mlp_ckpt), load_posterior(path)
     test = load_data("digits:test")
     native = post.alpha_features(model.classifier.features(test.inputs(slice(0, len(test)))).detach())

@@ -99,7 +99,22 @@ def test_methods_and_gates():
         parse_gate("accuracy is low")
 
 
-def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_path):
+@pytest.fixture(scope="module")
+def marglik_posterior(digits_ckpt, tmp_path_factory):
+    """A last-layer kron posterior with the marginal-likelihood δ: the GGP's refined mode needs a
+    prior that lets the GP fit (held-out selection may pick δ → ∞, where f → the prior mean 0)."""
+    from bayescli.cli.app import main
+
+    path = tmp_path_factory.mktemp("marglik") / "post.safetensors"
+    args = ["fit-laplace", "--model", "builtin:small-cnn", "--checkpoint", str(digits_ckpt)]
+    try:
+        main([*args, "--data", "digits:train", "--prior-precision", "auto", "--out", str(path), "-q"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    return path
+
+
+def test_evaluate_cli_report_schema_gates_and_html(cli, marglik_posterior, tmp_path):
     from importlib.resources import files
 
     import jsonschema
@@ -108,7 +123,7 @@ def test_evaluate_cli_report_schema_gates_and_html(cli, digits_posterior, tmp_pa
     args = [
         "evaluate",
         "--posterior",
-        digits_posterior,
+        marglik_posterior,
         "--data",
         "digits:test",
         "--limit",
@@ -341,7 +356,7 @@ def test_evaluate_baselines_report_schema_and_gates(cli, digits_posterior, tmp_p
     assert not any(g["failed"] for g in report["gates"])
     # every --fail-if path of the report is described by the schema as a number, and is one that
     # the up-front check (before any work) accepts for these options
-    from bayescli.evaluation.baselines import parse_ood_scores
+    from bayescli.evaluation.config import parse_ood_scores
     from bayescli.evaluation.gates import Gate, check_paths, expected_results
 
     methods = ["map", "temp", "glm-probit", "glm-bridge-norm"]
@@ -384,8 +399,8 @@ def test_detectors_are_fitted_on_the_fitting_data_only(digits_posterior):
     fitting data (digits:train) and applied to the test and OOD features: nothing is fitted on
     the scored sets, OOD or not."""
     from bayescli.evaluation import detectors as det
-    from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
-    from bayescli.evaluation.runner import EvalConfig, load_ood, run_evaluation
+    from bayescli.evaluation.config import BaselineConfig, EvalConfig, parse_ood_scores
+    from bayescli.evaluation.runner import load_ood, run_evaluation
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 

@@ -7,12 +7,10 @@ import json
 import pytest
 import torch
 
-from bayescli.cli.train import typed_settings
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors
 from bayescli.posterior.base import load_posterior
-from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
-from bayescli.posterior.vi.mnvi import MNVIConfig
+from bayescli.registry import parse_setting
 
 FITS = {
     "mnvi": ["--epochs", "2"],
@@ -87,14 +85,18 @@ def test_fit_vi_rejects_options_of_other_methods(digits_ckpt, tmp_path, cli):
 
 
 def test_set_values_take_the_declared_field_types():
-    got = typed_settings(MNVIConfig, {"kl_weight": "2e-7", "samples": "4", "variant": "mean-and-noise"})
+    given = {"kl_weight": "2e-7", "samples": "4", "variant": "mean-and-noise"}
+    got = {k: parse_setting("mnvi", k, v) for k, v in given.items()}
     assert got == {"kl_weight": 2e-7, "samples": 4, "variant": "mean-and-noise"}
-    got = typed_settings(DirichletFVIConfig, {"select": "true", "tau": "none"})
+    assert type(got["kl_weight"]) is float and type(got["samples"]) is int
+    got = {k: parse_setting("dirichlet-fvi", k, v) for k, v in {"select": "true", "tau": "none"}.items()}
     assert got == {"select": True, "tau": None}
-    with pytest.raises(BayescliError, match="expected a int"):
-        typed_settings(MNVIConfig, {"samples": "many"})
-    with pytest.raises(BayescliError, match="no such setting"):
-        typed_settings(MNVIConfig, {"nope": "1"})
+    assert parse_setting("laplace", "prior_precision", "3") == 3.0
+    assert parse_setting("laplace", "hessian", "diag").value == "diag"
+    with pytest.raises(BayescliError, match="setting samples cannot be 'many' \\(it takes int"):
+        parse_setting("mnvi", "samples", "many")
+    with pytest.raises(BayescliError, match="mnvi has no setting 'nope'; its settings: .*kl_weight"):
+        parse_setting("mnvi", "nope", "1")
 
 
 def test_train_method_writes_checkpoint_and_posterior(tmp_path, cli):

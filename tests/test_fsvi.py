@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,24 +17,17 @@ from torch.func import functional_call, jacrev
 
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
+from bayescli.fit_source import FitSource
 from bayescli.models import Classifier, load_classifier, mlp
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.gaussian import augment
-from bayescli.posterior.vi.fsvi import (
-    JITTER,
-    FSVIConfig,
-    FSVIPosterior,
-    WholeNetQ,
-    augment_images,
-    expected_nll,
-    fit_fsvi,
-    fit_last_layer,
-    function_kl,
-    monochrome,
-    train_fsvi,
-)
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.posterior.vi.fsvi import FSVIConfig, FSVIPosterior, fit, fit_last_layer
+from bayescli.posterior.vi.fsvi_context import augment_images, monochrome
+from bayescli.posterior.vi.fsvi_objective import JITTER, expected_nll, function_kl
+from bayescli.training import fsvi as scratch_fsvi
+from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
+from bayescli.training.fsvi import WholeNetQ
 
 F64 = torch.float64
 
@@ -398,10 +392,12 @@ def digits_mlp(tmp_path_factory):
 
 
 @pytest.mark.parametrize("context", ["monochrome", "augment", "digits:test"])
-def test_fit_fsvi_on_a_checkpoint_with_each_context(digits_mlp, context):
+def test_fit_on_a_checkpoint_with_each_context(digits_mlp, context):
     model, train, _ = digits_mlp
     cfg = FSVIConfig(context=context, epochs=1, context_pool=256)
-    post = fit_fsvi(model, train, None, cfg, torch.device("cpu"))
+    # A data spec is the caller's to load (here the whole split: the fit keeps 256 seeded rows).
+    cfg = replace(cfg, **{name: load_data(spec) for name, spec in cfg.data_specs().items()})
+    post = fit(FitSource(model, train), cfg)
     k, d = model.classifier.num_classes, model.classifier.feature_dim
     assert post.mean.shape == (k, d + 1) and (post.var > 0).all()
     assert post.meta["context_pool"] == 256 and post.hyperparameters["context"] == context
@@ -409,37 +405,50 @@ def test_fit_fsvi_on_a_checkpoint_with_each_context(digits_mlp, context):
     used = post.hyperparameters
     assert (used["batch_size"], used["lr"], used["prior_scale"], post.prior_scale) == (512, 1e-2, 1.0, 1.0)
     assert post.meta["fit_seconds"] > 0
+    assert post.meta["selection"]["method"] == "default" and not post.meta["selection"]["validated"]
 
 
-def test_select_records_the_grid_and_picks_its_minimum(digits_mlp):
+def test_data_specs_lists_only_specs_to_load():
+    assert FSVIConfig().data_specs() == {} and FSVIConfig(context="augment").data_specs() == {}
+    assert FSVIConfig(context="kmnist:train").data_specs() == {"context": "kmnist:train"}
+    assert FSVIConfig(context=load_data("digits:test")).data_specs() == {}
+
+
+def test_explicit_prior_scale_is_used_as_given(digits_mlp):
     model, train, val = digits_mlp
-    post = fit_fsvi(model, train, val, FSVIConfig(epochs=1, select=True), torch.device("cpu"))
+    post = fit(FitSource(model, train, val), FSVIConfig(epochs=1, prior_scale=4.0))
     sel = post.meta["selection"]
-    assert [row["prior_scale"] for row in sel["curve"]] == sel["grid"]
-    assert post.prior_scale == min(sel["curve"], key=lambda row: row["val_nll"])["prior_scale"]
-    assert post.hyperparameters["prior_scale"] == post.prior_scale
+    assert post.prior_scale == 4.0 and (sel["method"], sel["validated"], sel["chosen"]) == (
+        "fixed",
+        False,
+        4.0,
+    )
 
 
 def test_bad_settings_raise(digits_mlp):
     model, train, _ = digits_mlp
-    cpu = torch.device("cpu")
-    with pytest.raises(BayescliError, match="prior-scale"):
-        fit_fsvi(model, train, None, FSVIConfig(prior_scale=-1.0), cpu)
-    with pytest.raises(BayescliError, match="--select needs"):
-        fit_fsvi(model, train, None, FSVIConfig(select=True), cpu)
-    with pytest.raises(BayescliError, match="train --method fsvi"):
-        fit_fsvi(model, train, None, FSVIConfig(subset="all"), cpu)
-    with pytest.raises(BayescliError, match="unknown dataset"):
-        fit_fsvi(model, train, None, FSVIConfig(context="nonsense"), cpu)
+    source = FitSource(model, train)
+    with pytest.raises(BayescliError, match="prior_scale must be > 0"):
+        FSVIConfig(prior_scale=-1.0)
+    with pytest.raises(BayescliError, match="leave prior_scale unset"):
+        FSVIConfig(prior_scale=1.0, select=True)
+    with pytest.raises(BayescliError, match=r"select=True chooses prior_scale on validation data: give"):
+        fit(source, FSVIConfig(select=True))
+    with pytest.raises(BayescliError, match="train all layers from scratch"):
+        fit(source, FSVIConfig(subset="all"))
+    with pytest.raises(BayescliError, match="'nonsense' is a data spec"):
+        fit(source, FSVIConfig(context="nonsense"))
     with pytest.raises(BayescliError, match="augment needs image"):
         augment_images(torch.zeros(2, 5), torch.Generator())
+    with pytest.raises(BayescliError, match="select_by must be nll, ece or brier"):
+        FSVIConfig(select_by="nll2")
 
 
 @pytest.fixture(scope="module")
 def scratch():
     train = load_data("digits:train[:300]")
     cfg = FSVIConfig(subset="all", epochs=1, batch_size=64)
-    clf, meta, post = train_fsvi("builtin:mlp", train, None, cfg, torch.device("cpu"))
+    clf, meta, post = scratch_fsvi.train("builtin:mlp", train, None, cfg, torch.device("cpu"))
     return clf, meta, post, train
 
 
@@ -499,4 +508,4 @@ def test_bnn_samples_match_the_glm_moments_when_feature_variances_are_tiny(scrat
 def test_train_fsvi_rejects_other_architectures():
     train = load_data("digits:train[:50]")
     with pytest.raises(BayescliError, match="builtin"):
-        train_fsvi("timm:resnet18", train, None, FSVIConfig(subset="all"), torch.device("cpu"))
+        scratch_fsvi.train("timm:resnet18", train, None, FSVIConfig(subset="all"), torch.device("cpu"))

@@ -165,6 +165,10 @@ def test_refine_mode_through_fit_laplace_and_cli(cli, digits_ckpt, tmp_path):
             digits_ckpt,
             "--data",
             "digits:train",
+            # the marginal-likelihood δ: the GGP's refined mode needs a prior that lets the GP fit
+            # (at δ → ∞, held-out selection's MAP end, the kernel vanishes and f → the prior mean 0)
+            "--prior-precision",
+            "auto",
             "--out",
             base,
             "-q",

@@ -18,16 +18,15 @@ from vi_oracles import gp_vi_optimum, last_layer_design, maximise_elbo, network_
 
 from bayescli.data import ArrayData, load_data
 from bayescli.features import extract_features
+from bayescli.fit_source import FitSource
 from bayescli.metrics import accuracy, nll
 from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.laplace import fit_laplace
-from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit_ggp_vi, whitening
+from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit, whitening
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.glm import predict
-from bayescli.train import TrainConfig, train_classifier
-
-CPU = torch.device("cpu")
+from bayescli.training.classifier import TrainConfig, train_classifier
 
 
 def loaded(net: nn.Module, head: str) -> LoadedModel:
@@ -60,7 +59,7 @@ def test_last_layer_with_all_points_inducing_is_exact_vi():
     torch.manual_seed(0)
     model = loaded(nn.Sequential(nn.Linear(2, 2)), "0")
     cfg = GGPVIConfig(inducing_points=40, prior_precision=delta, epochs=1000, batch_size=40)
-    post = fit_ggp_vi(model, data, None, cfg, CPU)
+    post = fit(FitSource(model, data), cfg)
     assert post.whiten.shape == (1, 3, 40)
     block = torch.block_diag(torch.ones(3, 3), torch.ones(3, 3)).bool()
     mu, sigma, _ = maximise_elbo(
@@ -84,7 +83,7 @@ def test_all_layers_with_all_points_inducing_is_exact_gp_vi(tmp_path):
     net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
     model = loaded(net, "2")
     cfg = GGPVIConfig(subset="all", inducing_points=8, prior_precision=delta, epochs=1500, batch_size=8)
-    post = fit_ggp_vi(model, data, None, cfg, CPU)
+    post = fit(FitSource(model, data), cfg)
     f, jac = network_jacobian_autograd(net, data.x)
     theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).double()
     kernels = torch.einsum("ncp,mcp->cnm", jac, jac) / delta
@@ -112,7 +111,7 @@ def test_digits_ggp_vi_matches_ggp_laplace(tmp_path):
     ggp = GGPPredictor(laplace, f_train, refine=True)
     p_laplace = predict(laplace, f_test, "ggp", "mc", samples=1000, ggp=ggp).probs
     cfg = GGPVIConfig(inducing_points=512, prior_precision=laplace.prior_precision)
-    post = fit_ggp_vi(model, train, None, cfg, CPU)
+    post = fit(FitSource(model, train), cfg)
     p_vi = predict(post, f_test, "glm", "mc", samples=1000).probs
     gap = abs(nll(p_vi, test.y) - nll(p_laplace, test.y))
     assert_below(gap, 0.05, what="|NLL(GGP VI) − NLL(GGP Laplace)|")
@@ -136,7 +135,9 @@ def test_cli_fit_vi_ggp_vi(cli, tmp_path):
     assert res.code == 0, res.err
     post = load_posterior(out)
     assert isinstance(post, GGPVIPosterior) and len(post.inducing_index) == 50
-    assert post.meta["prior"]["method"] == "laplace-marglik" and post.meta["checkpoint_sha256"]
+    # the checkpoint records validation data, so δ is chosen on it by default
+    assert post.meta["prior"]["method"] == "val-nll" and post.meta["selection"]["validated"]
+    assert post.meta["checkpoint_sha256"]
     assert cli("predict", "--posterior", out, "--data", "digits:test[:20]", "--json").code == 0
 
 
@@ -160,7 +161,7 @@ def test_sparse_predictive_is_the_svgp_formula(subset):
         net, head = nn.Sequential(nn.Linear(d, 2)), "0"
     model = loaded(net, head)
     cfg = GGPVIConfig(subset=subset, inducing_points=5, prior_precision=delta, epochs=3, batch_size=8)
-    post = fit_ggp_vi(model, data, None, cfg, CPU)
+    post = fit(FitSource(model, data), cfg)
     _, jac_z = network_jacobian_autograd(net, data.x[post.inducing_index])
     f_x, jac_x = network_jacobian_autograd(net, x)
     theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).double()

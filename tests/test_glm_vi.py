@@ -22,19 +22,13 @@ from vi_oracles import (
 
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
+from bayescli.fit_source import FitSource
 from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
-from bayescli.posterior.vi.glm_vi import (
-    GLMData,
-    GLMVIConfig,
-    GLMVIPosterior,
-    fit_glm_vi,
-    natural_gradient_vi,
-    softmax_expectations,
-)
-
-CPU = torch.device("cpu")
+from bayescli.posterior.vi.glm_vi import GLMVIConfig, GLMVIPosterior, fit
+from bayescli.posterior.vi.linearised_glm import GLMData, natural_gradient_vi
+from bayescli.posterior.vi.softmax_expectations import softmax_expectations
 
 
 def loaded(net: nn.Module, head: str) -> LoadedModel:
@@ -89,7 +83,7 @@ def test_last_layer_fixed_point_is_the_elbo_maximiser(cov):
     data, delta = logistic_data(), 0.7
     lr, epochs = (1.0, 100) if cov == "full" else (0.3, 800)  # diag with β = 1 oscillates
     cfg = GLMVIConfig(covariance=cov, prior_precision=delta, epochs=epochs, lr=lr)
-    post = fit_glm_vi(linear_model(), data, None, cfg, CPU)
+    post = fit(FitSource(linear_model(), data), cfg)
     jac = last_layer_design(data.x, 2)
     pattern = full_pattern(6) if cov == "full" else diag_pattern(6)
     mu, sigma, elbo = maximise_elbo(
@@ -111,7 +105,7 @@ def test_all_layer_fixed_point_is_the_elbo_maximiser(cov):
     model = tanh_mlp()
     lr, epochs = (1.0, 100) if cov == "full" else (0.3, 400)
     cfg = GLMVIConfig(subset="all", covariance=cov, prior_precision=delta, epochs=epochs, lr=lr)
-    post = fit_glm_vi(model, data, None, cfg, CPU)
+    post = fit(FitSource(model, data), cfg)
     f, jac = network_jacobian_autograd(model.classifier.net, data.x)
     theta = torch.cat([p.detach().reshape(-1) for p in model.classifier.net.parameters()]).double()
     offset = f - jac @ theta
@@ -182,7 +176,7 @@ def test_round_trip_and_pushforward(tmp_path, subset, cov):
     data = logistic_data(30, k=3, seed=2)
     model = tanh_mlp(3) if subset == "all" else linear_model(3)
     cfg = GLMVIConfig(subset=subset, covariance=cov, epochs=5)
-    post = fit_glm_vi(model, data, None, cfg, CPU)
+    post = fit(FitSource(model, data), cfg)
     assert post.meta["prior"]["method"] == "laplace-marglik"
     assert "Monte Carlo" in post.meta["vi"]["expectations"]
     path = tmp_path / "glmvi.safetensors"
@@ -211,19 +205,28 @@ def test_full_covariance_limit():
     torch.manual_seed(0)
     wide = loaded(nn.Sequential(nn.Linear(2, 2500), nn.ReLU(), nn.Linear(2500, 10)), "2")
     data = ArrayData(torch.randn(20, 2), torch.randint(0, 10, (20,)), [str(i) for i in range(10)])
-    with pytest.raises(BayescliError, match="--covariance full needs ≤ 20,000 parameters"):
-        fit_glm_vi(wide, data, None, GLMVIConfig(covariance="full"), CPU)
-    with pytest.raises(BayescliError, match="--covariance must be diag or full"):
+    with pytest.raises(BayescliError, match="covariance 'full' needs ≤ 20,000 parameters"):
+        fit(FitSource(wide, data), GLMVIConfig(covariance="full"))
+    with pytest.raises(BayescliError, match="^covariance must be diag or full"):
         GLMVIConfig(covariance="kron")
 
 
 def test_select_records_the_validation_curve():
+    """With validation data and δ unset, δ is chosen on validation NLL over a grid around the
+    marginal-likelihood δ; the record holds the curve, and the choice is its minimum."""
     data, val = logistic_data(40, k=3, seed=5), logistic_data(30, k=3, seed=6)
-    cfg = GLMVIConfig(epochs=10, select=True, samples=4)
-    post = fit_glm_vi(linear_model(3), data, val, cfg, CPU)
-    prior = post.meta["prior"]
-    assert prior["method"] == "val-nll" and len(prior["curve"]) >= 10
-    assert post.prior_precision == min(prior["curve"], key=lambda dv: dv[1])[0]
+    cfg = GLMVIConfig(epochs=10, samples=4)
+    post = fit(FitSource(linear_model(3), data, val), cfg)
+    sel = post.meta["selection"]
+    assert sel["validated"] and sel["setting"] == "prior_precision" and len(sel["curve"]) >= 5
+    assert sel["principled"] == post.meta["vi"]["laplace_marglik_prior_precision"]
+    assert any(p["prior_precision"] == sel["principled"] for p in sel["curve"])
+    assert post.prior_precision == min(sel["curve"], key=lambda p: p["nll"])["prior_precision"]
+    assert post.meta["prior"] == {
+        "value": post.prior_precision,
+        "method": "val-nll",
+        "objective": "validation nll (glm predictive, 100 MC draws)",
+    }
 
 
 def test_cli_fit_vi_glm_vi_and_predict(cli, tmp_path):
@@ -285,4 +288,4 @@ def test_cli_fit_vi_glm_vi_and_predict(cli, tmp_path):
         "--out",
         out,
     )
-    assert res.code == 2 and "--covariance must be diag or full" in res.err
+    assert res.code == 2 and "covariance must be diag or full" in res.err

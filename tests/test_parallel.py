@@ -249,7 +249,7 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_message(tmp_path):
     from bayescli.data import load_data
     from bayescli.io import load_tensors
     from bayescli.options import TrainConfig
-    from bayescli.train import save_checkpoint, train_classifier
+    from bayescli.training.classifier import save_checkpoint, train_classifier
 
     rng = np.random.default_rng(0)
     for c, cls in enumerate(("a", "b")):

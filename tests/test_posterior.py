@@ -230,7 +230,7 @@ def test_log_marglik_equals_dense_oracle_at_several_deltas(fitted, structure):
 
 def test_val_nll_picks_the_grid_value_with_lowest_dense_oracle_nll(fitted):
     from bayescli.features import Features
-    from bayescli.predictive.tuning import tune_prior_val_nll
+    from bayescli.laplace_fit import LaplaceSettings, select_prior
 
     phi, head, labels = fitted
     post = LaplacePosterior.fit_last_layer(phi, labels, head, "full")
@@ -251,5 +251,6 @@ def test_val_nll_picks_the_grid_value_with_lowest_dense_oracle_nll(fitted):
         curve.append(-probs.gather(1, y[:, None]).log().mean().item())
     best = grid[min(range(len(grid)), key=curve.__getitem__)]
     assert grid[0] < best < grid[-1]
-    chosen = tune_prior_val_nll(post, Features(x, logits, y), "glm", "probit", grid)
-    assert chosen == best and post.prior_precision == best
+    sel = select_prior(post, Features(x, logits, y), LaplaceSettings(), grid=grid)
+    assert sel.chosen == best and post.prior_precision == best
+    assert [row["nll"] for row in sel.curve] == pytest.approx(curve, rel=1e-9)

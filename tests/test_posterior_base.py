@@ -14,9 +14,10 @@ import torch
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
 from bayescli.options import Subset
-from bayescli.posterior.base import METHODS, Posterior, load_posterior
+from bayescli.posterior.base import Posterior, load_posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.laplace import LaplacePosterior
+from bayescli.registry import REGISTRY, MethodEntry
 
 SCHEMA = Path(__file__).parents[1] / "bayescli" / "schemas" / "report.schema.json"
 
@@ -50,7 +51,8 @@ class ToyPosterior(Posterior):
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(METHODS, "toy", f"{__name__}:ToyPosterior")
+    entry = MethodEntry("toy", "a toy", "", "", f"{__name__}:ToyPosterior", "toy")
+    monkeypatch.setitem(REGISTRY, "toy", entry)
 
 
 def _toy_from(laplace_path: Path, out: Path, c: float) -> Path:

@@ -26,7 +26,7 @@ from bayescli.posterior.curvature import CurvatureAccumulator
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
 from bayescli.preprocess import Preprocess
-from bayescli.train import TrainConfig, save_checkpoint, train_classifier
+from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 
 def write_folder(root: Path, per_class: int = 12, seed: int = 0, sizes=((8, 8), (11, 9), (9, 13))) -> Path:
@@ -280,7 +280,17 @@ def test_cli_fit_streams_the_same_posterior_as_an_in_memory_fit(cli, digits_ckpt
         "--data",
         "digits:train",
     ]
-    args += ["--hessian", "kron", "--batch-size", "100", "--out", post_path, "--quiet"]
+    args += [
+        "--hessian",
+        "kron",
+        "--prior-precision",
+        "auto",
+        "--batch-size",
+        "100",
+        "--out",
+        post_path,
+        "--quiet",
+    ]
     res = cli(*args, "--feature-cache", cache)
     assert res.code == 0, res.err
     model = load_classifier("builtin:small-cnn", digits_ckpt)

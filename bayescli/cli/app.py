@@ -18,6 +18,7 @@ from bayescli.cli.fit import fit_laplace_cmd
 from bayescli.cli.fit_vi import fit_vi_cmd
 from bayescli.cli.inspect import inspect_cmd
 from bayescli.cli.predict import predict_cmd
+from bayescli.cli.select import select_cmd
 from bayescli.cli.topk import topk_cmd
 from bayescli.cli.train import train
 from bayescli.errors import AllRanksError, BayescliError, BayescliWarning
@@ -58,6 +59,7 @@ app.command("inspect")(inspect_cmd)
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
 app.command("fit-vi")(fit_vi_cmd)
+app.command("select")(select_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)
 app.command("conformal")(conformal_cmd)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import Data
+    from bayescli.fitting import DataOptions, ModelOptions
     from bayescli.models import LoadedModel
     from bayescli.posterior.base import Posterior
     from bayescli.preprocess import Preprocess
@@ -28,16 +29,36 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
 stdout = Console(width=None if sys.stdout.isatty() else 160)
 state = {"debug": False}
 
-Device = Annotated[str, typer.Option(help="auto (CUDA when available), cpu, cuda or cuda:N.")]
-Seed = Annotated[int, typer.Option(help="Random seed (subsets, sampling, training).")]
-BatchSize = Annotated[int, typer.Option(min=1, help="Inputs per batch.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")]
-Json = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
-DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.")]
-Download = Annotated[bool, typer.Option("--download", help="Download torchvision datasets if missing.")]
-Limit = Annotated[int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.")]
+Device = Annotated[
+    str, typer.Option(help="auto (CUDA when available), cpu, cuda or cuda:N.", rich_help_panel="Runtime")
+]
+Seed = Annotated[
+    int, typer.Option(help="Random seed (subsets, sampling, training).", rich_help_panel="Runtime")
+]
+BatchSize = Annotated[int, typer.Option(min=1, help="Inputs per batch.", rich_help_panel="Runtime")]
+Quiet = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress bars or tables.", rich_help_panel="Runtime")
+]
+Json = Annotated[
+    bool,
+    typer.Option(
+        "--json", help="Print a machine-readable JSON summary on stdout.", rich_help_panel="Runtime"
+    ),
+]
+DataRoot = Annotated[Path, typer.Option(help="Where torchvision datasets live.", rich_help_panel="Data")]
+Download = Annotated[
+    bool, typer.Option("--download", help="Download torchvision datasets if missing.", rich_help_panel="Data")
+]
+Limit = Annotated[
+    int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.", rich_help_panel="Data")
+]
 NumWorkers = Annotated[
-    int, typer.Option(min=0, help="DataLoader processes that read, decode and resize images (0: none).")
+    int,
+    typer.Option(
+        min=0,
+        help="DataLoader processes that read, decode and resize images (0: none).",
+        rich_help_panel="Data",
+    ),
 ]
 SkipUnreadable = Annotated[
     bool,
@@ -45,6 +66,7 @@ SkipUnreadable = Annotated[
         "--skip-unreadable",
         help="Skip image files that cannot be decoded (counted and listed in the output); "
         "default: stop, naming the file.",
+        rich_help_panel="Data",
     ),
 ]
 CheckpointOverride = Annotated[
@@ -56,22 +78,48 @@ PreprocessOpt = Annotated[
         "--preprocess",
         help="Input recipe: timm / torchvision (the named model's pretrained config), imagenet, cifar, "
         "none. Default: the checkpoint's own (bayescli train) or none.",
+        rich_help_panel="Preprocessing",
     ),
 ]
-Mean = Annotated[str | None, typer.Option(help="Per-channel mean, e.g. 0.485,0.456,0.406 (overrides).")]
-Std = Annotated[str | None, typer.Option(help="Per-channel std, e.g. 0.229,0.224,0.225 (overrides).")]
-Resize = Annotated[int | None, typer.Option(min=1, help="Resize the shorter side to N px (aspect kept).")]
-Crop = Annotated[int | None, typer.Option(min=1, help="Centre-crop N×N px after resizing.")]
-InterpolationOpt = Annotated[Interpolation | None, typer.Option("--interpolation", help="Resize filter.")]
+Mean = Annotated[
+    str | None,
+    typer.Option(
+        help="Per-channel mean, e.g. 0.485,0.456,0.406 (overrides).", rich_help_panel="Preprocessing"
+    ),
+]
+Std = Annotated[
+    str | None,
+    typer.Option(
+        help="Per-channel std, e.g. 0.229,0.224,0.225 (overrides).", rich_help_panel="Preprocessing"
+    ),
+]
+Resize = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="Resize the shorter side to N px (aspect kept).", rich_help_panel="Preprocessing"
+    ),
+]
+Crop = Annotated[
+    int | None,
+    typer.Option(min=1, help="Centre-crop N×N px after resizing.", rich_help_panel="Preprocessing"),
+]
+InterpolationOpt = Annotated[
+    Interpolation | None,
+    typer.Option("--interpolation", help="Resize filter.", rich_help_panel="Preprocessing"),
+]
 CheckpointKey = Annotated[
     str | None,
-    typer.Option(help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema."),
+    typer.Option(
+        help="Entry of a wrapped checkpoint holding the weights, e.g. state_dict or ema.",
+        rich_help_panel="Model",
+    ),
 ]
 Head = Annotated[
     str | None,
     typer.Option(
         help="Name of the classification head: a linear layer or a 1×1 convolution before global "
-        "pooling (default: found by get_classifier()/classifier/fc/head, else the last linear layer)."
+        "pooling (default: found by get_classifier()/classifier/fc/head, else the last linear layer).",
+        rich_help_panel="Model",
     ),
 ]
 ModelArg = Annotated[
@@ -80,6 +128,7 @@ ModelArg = Annotated[
         "--model-arg",
         help="NAME=VALUE passed to the model factory (repeatable; typed by its signature, else JSON), "
         "e.g. --model-arg hidden=64.",
+        rich_help_panel="Model",
     ),
 ]
 Output = Annotated[
@@ -88,6 +137,7 @@ Output = Annotated[
         "--output",
         help="Which element of a tuple/list/dict/dataclass output holds the logits (index or key); "
         "default: the one tensor with one column per class.",
+        rich_help_panel="Model",
     ),
 ]
 ConfirmModel = Annotated[
@@ -165,43 +215,35 @@ def preprocess_from_options(
     )
 
 
-def load_model_and_data(
-    model: str,
-    checkpoint: Path | None,
-    head: str | None,
-    checkpoint_key: str | None,
-    preprocess: Preprocess | None,
-    data: str,
-    root: Path,
+def data_options(
+    *,
+    data_root: Path,
     download: bool,
-    limit: int | None,
-    seed: int,
+    limit: int | None = None,
+    seed: int = 0,
     num_workers: int = 0,
     skip_unreadable: bool = False,
+) -> DataOptions:
+    """The data option group (``--data-root``, ``--download``, ``--limit``, …) as one object."""
+    from bayescli.fitting import DataOptions
+
+    return DataOptions(data_root, download, limit, seed, num_workers, skip_unreadable)
+
+
+def model_options(
     *,
+    model: str,
+    checkpoint: Path | None,
+    head: str | None = None,
+    checkpoint_key: str | None = None,
     model_args: list[str] | None = None,
     output: str | None = None,
-) -> tuple[LoadedModel, Data]:
-    """A user's checkpoint and the fitting data, checked against each other."""
-    from bayescli.models import load_classifier
+    preprocess: Preprocess | None = None,
+) -> ModelOptions:
+    """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object."""
+    from bayescli.fitting import ModelOptions
 
-    loaded = load_classifier(
-        model,
-        checkpoint,
-        head,
-        checkpoint_key=checkpoint_key,
-        preprocess=preprocess,
-        model_args=model_args or [],
-        output=output,
-    )
-    fit_data = load(data, root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
-    check_labels(fit_data, loaded.classifier.num_classes)
-    return loaded, fit_data
-
-
-def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: Data) -> None:
-    """What a posterior file must say about its model and data (``load_model`` reads it back)."""
-    post.meta |= {**loaded.describe(), "class_names": loaded.class_names, "data": fit_data.info}
+    return ModelOptions(model, checkpoint, head, checkpoint_key, list(model_args or []), output, preprocess)
 
 
 def model_facts(loaded: LoadedModel) -> dict:
@@ -230,11 +272,9 @@ def floats(text: str | None, option: str) -> tuple[float, ...] | None:
 
 def check_labels(data: Data, num_classes: int) -> None:
     """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier."""
-    if data.y is not None and len(data.y) and int(data.y.max()) >= num_classes:
-        raise BayescliError(
-            f"{data.spec} has labels up to {int(data.y.max())} but the model has {num_classes} "
-            "classes; use data with the model's classes"
-        )
+    from bayescli.fitting import check_labels as check
+
+    check(data, num_classes)
 
 
 def prepare_prediction(
@@ -411,20 +451,21 @@ def show(quiet: bool, as_json: bool, *renderables: Any, payload: Any = None) -> 
 
 
 def resolve_device(spec: str, sharded: bool = False) -> torch.device:
-    """``--device`` → a ``torch.device`` (see :func:`bayescli.devices.resolve_device`).
+    """``--device`` → a ``torch.device``, resolved once per command.
 
-    Under torchrun this also joins the process group (NCCL for CUDA, Gloo for CPU) and gives
-    each process its own GPU (``cuda:LOCAL_RANK``); commands that do not shard their work
-    (``sharded=False``) refuse to run on several processes rather than repeat it on each.
+    Commands that share their work across torchrun's processes (``sharded=True``: fit-laplace,
+    evaluate) join the process group here, explicitly, through :func:`bayescli.distributed.init`
+    (each process gets ``cuda:LOCAL_RANK``); the others refuse to run on several processes rather
+    than repeat their work on each.
     """
-    from bayescli import parallel
+    from bayescli import distributed
     from bayescli.devices import resolve_device as resolve
 
-    if parallel.world().distributed and not sharded:
+    if sharded:
+        return distributed.init(spec)
+    if distributed.is_distributed():
         raise AllRanksError(
             "this command runs in one process; start it without torchrun "
             "(fit-laplace and evaluate share their work across torchrun's processes)"
         )
-    device = resolve(spec)
-    parallel.init(device)
-    return parallel.device_for(device)
+    return resolve(spec)

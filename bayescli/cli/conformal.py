@@ -62,7 +62,7 @@ def conformal_cmd(
     from bayescli.data import validation_spec
     from bayescli.errors import BayescliError
     from bayescli.evaluation.baselines import standalone_conformal
-    from bayescli.evaluation.runner import EvalConfig
+    from bayescli.evaluation.config import EvalConfig
     from bayescli.features import extract_features
     from bayescli.io import write_json
     from bayescli.predictive.conformal import ConformalConfig, ConformalScore
@@ -82,7 +82,7 @@ def conformal_cmd(
     cal_spec = calibration_data or validation_spec(data)
     if cal_spec == test.spec:
         raise BayescliError(f"--calibration-data {cal_spec} is the test data; use a disjoint split")
-    cal = c.load(cal_spec, data_root, download, None, seed, model.preprocess)
+    cal = c.data_options(data_root=data_root, download=download, seed=seed).load(cal_spec, model.preprocess)
     c.check_labels(cal, model.classifier.num_classes)
     dev = c.resolve_device(device)
     cal_feats = extract_features(model, cal, batch_size, dev)

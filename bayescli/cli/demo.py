@@ -29,44 +29,34 @@ def demo(
     """
     from bayescli.data.shifts import parse_angles
     from bayescli.evaluation.attacks import parse_epsilons
+    from bayescli.evaluation.config import EvalConfig
     from bayescli.evaluation.methods import parse_methods
-    from bayescli.evaluation.runner import EvalConfig, run_evaluation
-    from bayescli.features import extract_features
+    from bayescli.evaluation.runner import run_evaluation
+    from bayescli.fit_source import FitSource
+    from bayescli.fitting import DataOptions, fit_posterior
     from bayescli.io import write_json
     from bayescli.metrics import classification_summary
     from bayescli.models import load_classifier
-    from bayescli.posterior.laplace import fit_laplace
     from bayescli.predictive import dirichlet
     from bayescli.predictive.glm import predict
     from bayescli.predictive.topk import topk_summary, uncertainty_topk
-    from bayescli.predictive.tuning import tune_prior_val_nll
     from bayescli.report import write_report
-    from bayescli.train import save_checkpoint, train_classifier
+    from bayescli.training.classifier import save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = c.resolve_device(device)
-    root = Path("data")
-    train_data, val_data, test_data = (
-        c.load(f"digits:{s}", root, False, None, seed) for s in ("train", "val", "test")
-    )
+    data_opts = DataOptions(seed=seed)
+    train_data, val_data, test_data = (data_opts.load(f"digits:{s}", None) for s in ("train", "val", "test"))
 
     ckpt = out_dir / "model.safetensors"
     clf, meta = train_classifier("builtin:small-cnn", train_data, val_data, TrainConfig(seed=seed), dev)
     save_checkpoint(ckpt, clf.cpu(), meta)
 
     model = load_classifier("builtin:small-cnn", ckpt)
-    train_feats = extract_features(model, train_data, device=dev)
-    test_feats = extract_features(model, test_data, device=dev)
-    post = fit_laplace(
-        model.classifier,
-        train_feats.phi,
-        train_feats.labels,
-        structure="kron",
-        prior_precision="auto",
-        seed=seed,
-    )
-    post.meta |= {**model.describe(), "class_names": model.class_names, "data": train_data.info}
+    # δ chosen on the validation split (the grid runs through marglik's δ up to the MAP limit)
+    post = fit_posterior("laplace", FitSource(model, train_data, val_data, dev), seed=seed)
+    test_feats = FitSource(model, test_data, None, dev).features()
     post_path = out_dir / "posterior.safetensors"
     post.save(post_path)
 
@@ -84,13 +74,13 @@ def demo(
     )
     sets = uncertainty_topk(bridge_pred.alpha, 0.05, 10)
     topk = topk_summary(sets, bridge_pred.probs, test_feats.labels, 10)
-    # Marglik is known to be underconfident on small data; show the validation-tuned δ beside it.
-    marglik_delta = post.prior_precision
-    val_feats = extract_features(model, val_data, device=dev)
-    val_delta = tune_prior_val_nll(post, val_feats, "glm", "probit")
-    results["glm-probit (val-nll δ)"] = classification_summary(
+    # Marglik is known to be underconfident on small data: show it beside the validated δ.
+    val_delta, marglik_delta = post.prior_precision, post.meta["prior"]["marglik"]
+    post.gaussian.with_delta(marglik_delta)
+    results["glm-probit (marglik δ)"] = classification_summary(
         predict(post, test_feats, "glm", "probit", seed=seed).probs, test_feats.labels
     )
+    post.gaussian.with_delta(val_delta)
 
     report = {
         "schema_version": 1,
@@ -98,12 +88,8 @@ def demo(
         "bayescli_version": __version__,
         "checkpoint": str(ckpt),
         "posterior": str(post_path),
-        "posterior_summary": {
-            **c.posterior_summary(post),
-            "prior_precision": marglik_delta,
-            "prior_method": "marglik",
-        },
-        "val_nll_prior_precision": val_delta,
+        "posterior_summary": c.posterior_summary(post),
+        "marglik_prior_precision": marglik_delta,
         "train_accuracy": meta["train_accuracy"],
         "val_accuracy": meta["val_accuracy"],
         "data": test_data.info,
@@ -113,8 +99,7 @@ def demo(
     }
     write_json(out_dir / "demo.json", report)
 
-    # The evaluation suites, with the marglik posterior as saved.
-    post.set_prior_precision(marglik_delta, "marglik", post.meta["prior"]["curve"])
+    # The evaluation suites, with the posterior as saved.
     cfg = EvalConfig(
         methods=parse_methods(DEFAULT_METHODS),
         ood=["noise:uniform", "patches"],
@@ -142,15 +127,16 @@ def demo(
             "Laplace posterior (last layer, KFAC)",
             ["", "value"],
             [
+                ["prior precision (validation NLL)", val_delta],
                 ["prior precision (marglik)", marglik_delta],
-                ["prior precision (val-nll)", val_delta],
                 ["log marglik at marglik δ", post.log_marglik(marglik_delta)],
                 ["parameters", post.gaussian.num_params],
                 ["fit seconds", post.meta["fit_seconds"]],
             ],
         ),
         c.metrics_table(
-            f"digits test ({len(test_data)} inputs): MAP vs Laplace (marglik δ unless noted)", results
+            f"digits test ({len(test_data)} inputs): MAP vs Laplace (δ chosen on digits:val unless noted)",
+            results,
         ),
         c.table("uncertainty-aware top-k (bridge, T=0.05)", ["", "value"], topk_rows),
         c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in timings.items()]),

@@ -109,67 +109,63 @@ def evaluate_cmd(
     --ood-scores msp,energy,mahalanobis,knn,mi --conformal 0.1 --rotation 0:180:15 --out report.json
     --html report.html --fail-if "ood.patches.glm-probit.max_prob.auroc < 0.8"
     """
-    from bayescli.data.corruptions import parse_corruptions, parse_severities
-    from bayescli.data.shifts import parse_angles
-    from bayescli.evaluation.attacks import parse_epsilons
-    from bayescli.evaluation.baselines import BaselineConfig, parse_ood_scores
-    from bayescli.evaluation.gates import check_gates, check_paths, parse_gate
-    from bayescli.evaluation.methods import parse_methods
-    from bayescli.evaluation.runner import EvalConfig, preprocess_key, run_grouped
+    from bayescli.evaluation.evaluate import check_gate_paths, evaluate, evaluation_config
+    from bayescli.evaluation.runner import load_ggp_data, preprocess_key
     from bayescli.io import write_json
     from bayescli.metrics import low_accuracy_warning
+    from bayescli.options import Predictive
     from bayescli.posterior.base import load_posterior
     from bayescli.report import write_report
 
     c.setup(quiet, as_json, seed)
-    gates = [parse_gate(g) for g in fail_if or []]
-    cfg = EvalConfig(
-        methods=parse_methods(methods),
-        ood=list(ood or []),
-        ood_limit=ood_limit,
-        rotations=parse_angles(rotation) if rotation else [],
-        corruptions=parse_corruptions(corruption) if corruption else [],
-        severities=parse_severities(severity),
-        corruption_root=corruption_root,
-        epsilons=parse_epsilons(fgsm) if fgsm else [],
-        samples=samples,
-        ggp_points=ggp_points,
-        ggp_mode=ggp_mode.value,
-        seed=seed,
-        batch_size=batch_size,
-        data_root=data_root,
-        download=download,
-        device=c.resolve_device(device, sharded=True),
-        num_workers=num_workers,
-        skip_unreadable=skip_unreadable,
-        baselines=BaselineConfig(
-            ood_scores=parse_ood_scores(ood_scores),
-            fit_data=fit_data,
-            val_data=val_data,
-            fit_cache=fit_cache,
-            conformal=conformal,
-            fidelity_inputs=fidelity_inputs,
-        ),
-    )
-    if gates:  # before any posterior, model or data is loaded
-        check_paths(gates, _expected(cfg, posterior))
+    options = {
+        "methods": methods,
+        "ood": list(ood or []),
+        "ood_limit": ood_limit,
+        "ood_scores": ood_scores,
+        "fit_data": fit_data,
+        "fit_cache": fit_cache,
+        "val_data": val_data,
+        "conformal": conformal,
+        "fidelity_inputs": fidelity_inputs,
+        "rotation": rotation,
+        "corruption": corruption,
+        "severity": severity,
+        "corruption_root": corruption_root,
+        "fgsm": fgsm,
+        "samples": samples,
+        "ggp_points": ggp_points,
+        "ggp_mode": ggp_mode,
+        "data_root": data_root,
+        "download": download,
+        "num_workers": num_workers,
+        "skip_unreadable": skip_unreadable,
+        "batch_size": batch_size,
+        "seed": seed,
+    }
+    cfg = evaluation_config(**options, device=c.resolve_device(device, sharded=True))
+    # gates and options are checked before any posterior, model or data is loaded
+    check_gate_paths(fail_if or [], cfg, c.file_tags(posterior, ["posterior"] * len(posterior)))
     posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict] = {}
     for tag, post in posts.items():
         recipes.setdefault(preprocess_key(post), {})[tag] = post
-    groups = []
+    models, tests, ggp_data = {}, {}, {}
     for members in recipes.values():
         model = next(iter(members.values())).load_model(
             checkpoint, model=model_spec, trust_model_code=trust_model_code
         )
         test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
-        c.check_labels(test, model.classifier.num_classes)
-        groups.append((members, model, test))
-    model, test = groups[0][1], groups[0][2]
-    report = run_grouped(groups, cfg)
-    report["posterior_file"] = str(posterior[0])
-    report["posterior_files"] = {tag: str(p) for tag, p in zip(posts, posterior, strict=True)}
+        for tag, post in members.items():
+            models[tag], tests[tag] = model, test
+            if any(m.predictive is Predictive.GGP for m in cfg.methods):
+                ggp_data[tag] = load_ggp_data(post, model, cfg)
+    first = next(iter(posts))
+    model, test = models[first], tests[first]
+    report = evaluate(
+        posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
+    )
     if report["map_accuracy"] is not None:
         warning = low_accuracy_warning(
             report["map_accuracy"], model.classifier.num_classes, f"the test data {data}"
@@ -177,9 +173,7 @@ def evaluate_cmd(
         c.warn(warning)
     if test.skipped:
         c.warn(f"skipped {len(test.skipped)} unreadable images of {data} (listed in the report's data)")
-    outcomes = check_gates(report["results"], gates)
-    if outcomes:
-        report["gates"] = outcomes
+    outcomes = report.get("gates", [])
     if out is not None and c.is_main_process():
         write_json(out, report)
     if html_out is not None and c.is_main_process():
@@ -315,26 +309,6 @@ def _interval(ci: list[float] | None) -> str:
 
 def _value(value: float | None, fmt: str) -> str:
     return "no value: see the warnings" if value is None else f"value {value:{fmt}}"
-
-
-def _expected(cfg, paths: list[Path]) -> dict:
-    """The results' skeleton for these options (method names prefixed with the file stems'
-    tags as ``tagged_posteriors`` makes them when there are several posteriors)."""
-    from bayescli.evaluation.gates import expected_results
-    from bayescli.evaluation.methods import expand_methods
-
-    tags = c.file_tags(paths, ["posterior"] * len(paths))
-    methods = [m.name for m in expand_methods(cfg.methods, tags)]
-    return expected_results(
-        methods,
-        ood=cfg.ood,
-        ood_scores=cfg.baselines.ood_scores,
-        rotations=[f"{a:g}" for a in cfg.rotations],
-        corruptions={n: [str(s) for s in cfg.severities] for n in cfg.corruptions},
-        epsilons=[label for label, _ in cfg.epsilons],
-        conformal=cfg.baselines.conformal is not None,
-        fidelity=bool(cfg.baselines.fidelity_inputs) and any(m.predictive is not None for m in cfg.methods),
-    )
 
 
 def report_cmd(

@@ -8,22 +8,8 @@ from typing import Annotated
 import typer
 
 from bayescli.cli import common as c
-from bayescli.errors import BayescliError
+from bayescli.cli.fit_options import Criterion, SelectBy, ValData, ValSplit, show_fit
 from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
-
-
-def parse_prior(text: str) -> float | str:
-    if text in ("auto", "val-nll"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise BayescliError(
-            f"--prior-precision must be a positive number, auto or val-nll; got '{text}'"
-        ) from None
-    if not value > 0:
-        raise BayescliError(f"--prior-precision must be positive, got {value}")
-    return value
 
 
 def fit_laplace_cmd(
@@ -46,13 +32,20 @@ def fit_laplace_cmd(
     ] = CurvatureType.GGN,
     backend: Annotated[Backend, typer.Option(help="Curvature engine for the last layer.")] = Backend.AUTO,
     prior_precision: Annotated[
-        str, typer.Option(help="A positive number, auto (marginal likelihood) or val-nll.")
-    ] = "auto",
-    val_data: Annotated[
-        str | None, typer.Option(help="Validation spec for val-nll (default: the val split).")
+        str | None,
+        typer.Option(
+            help="A positive number, auto (marginal likelihood) or val-nll. Default: chosen on held-out "
+            "data when there is any (--val-data, --val-split, or the validation split a bayescli train "
+            "checkpoint records), else auto."
+        ),
     ] = None,
-    predictive: Annotated[Predictive, typer.Option(help="Predictive used by val-nll.")] = Predictive.GLM,
-    link: Annotated[Link, typer.Option(help="Link used by val-nll.")] = Link.PROBIT,
+    val_data: ValData = None,
+    val_split: ValSplit = None,
+    select_by: SelectBy = Criterion.NLL,
+    predictive: Annotated[
+        Predictive, typer.Option(help="Predictive scored on held-out data (glm or bnn).")
+    ] = Predictive.GLM,
+    link: Annotated[Link, typer.Option(help="Link scored on held-out data.")] = Link.PROBIT,
     refine_mode: Annotated[
         int, typer.Option(min=0, help="Newton/L-BFGS steps to the GLM mode before fitting (last layer).")
     ] = 0,
@@ -70,7 +63,8 @@ def fit_laplace_cmd(
         Path | None,
         typer.Option(
             help="Directory caching the fitting features in shards (reused while checkpoint, head and "
-            "data match)."
+            "data match).",
+            rich_help_panel="Data",
         ),
     ] = None,
     data_root: c.DataRoot = Path("data"),
@@ -87,84 +81,61 @@ def fit_laplace_cmd(
     """Fit a Laplace approximation to a trained classifier.
 
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
-    --data digits:train --hessian kron --prior-precision auto --out posterior.safetensors
+    --data digits:train --val-data digits:val --hessian kron --out posterior.safetensors
     """
-    import torch
-
-    from bayescli import parallel
-    from bayescli.data import validation_spec
-    from bayescli.features import FeatureStream, LogitPass, extract_features, logit_pass
-    from bayescli.metrics import low_accuracy_warning
-    from bayescli.posterior.laplace import fit_laplace
-    from bayescli.predictive.tuning import tune_prior_val_nll
+    from bayescli.fitting import fit_from_specs
+    from bayescli.laplace_fit import LaplaceSettings
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--out")
-    prior = parse_prior(prior_precision)
-    if prior == "val-nll" and predictive is Predictive.GGP:
-        raise typer.BadParameter("val-nll tuning uses the glm or bnn predictive", param_hint="--predictive")
-    dev = c.resolve_device(device, sharded=True)
-    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
-    loaded, fit_data = c.load_model_and_data(
-        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
-        num_workers, skip_unreadable, model_args=model_args, output=output,
-    )  # fmt: skip
-    world = parallel.world()
-    full_data = fit_data
-    if world.distributed:
-        if subset is Subset.ALL or refine_mode:
-            raise BayescliError(
-                "under torchrun only last-layer fits without --refine-mode are sharded; run one process"
-            )
-        fit_data = fit_data.subset(parallel.local_rows(len(fit_data)))
-        if feature_cache is not None:  # each process caches its own shard
-            feature_cache = feature_cache.with_name(
-                f"{feature_cache.name}.rank{world.rank}-of-{world.size}"
-            )
-    batches = features = None
-    if subset is Subset.ALL:
-        # MAP accuracy and the input/output checks from the network's logits: whole-network fits
-        # need no feature/head split (the logits may not even be linear in the head's weights)
-        stream: FeatureStream | LogitPass = logit_pass(loaded, fit_data, batch_size, dev)
-        batches = fit_data.batches(batch_size)
-    else:
-        # One backbone pass, streamed: the last-layer fit sums its statistics batch by batch.
-        stream = FeatureStream(loaded, fit_data, batch_size, dev, cache=feature_cache)
-        features = stream.pairs()
-    clf = loaded.classifier.to(dev)
-    initial = 1.0 if prior == "val-nll" else prior  # val-nll replaces it below
-    post = fit_laplace(
-        clf,
-        batches=batches,
+    settings = LaplaceSettings(
         subset=subset,
-        structure=hessian,
+        hessian=hessian,
         curvature=curvature,
         backend=backend,
-        prior_precision=initial,
-        batch_size=max(batch_size, 1024),
-        seed=seed,
+        prior_precision=prior_precision,
+        predictive=predictive,
+        link=link,
+        select_by=select_by,
         refine_steps=refine_mode,
-        features=features,
+        seed=seed,
     )
-    if prior == "val-nll":
-        spec = val_data or validation_spec(data)
-        val = c.load(spec, data_root, download, None, seed, loaded.preprocess, num_workers, skip_unreadable)
-        c.check_labels(val, clf.num_classes)
-        val_feats = extract_features(loaded, val, batch_size, dev)
-        tune_prior_val_nll(post, val_feats, predictive, link, classifier=clf, val_data=val)
-    map_accuracy = stream.accuracy
-    if world.distributed:  # what every process saw: skipped files and MAP accuracy over all shards
-        full_data.add_unreadable(parallel.gather_objects(fit_data.unreadable))
-        if map_accuracy is not None:
-            correct, n = parallel.all_reduce_sum(torch.tensor([stream.correct, stream.n])).tolist()
-            map_accuracy = correct / n
-    c.record_provenance(post, loaded, full_data)
-    post.meta["backend"] = backend.value
-    post.meta["processes"] = world.size
-    if world.is_main:
-        post.save(out)
-    parallel.barrier()
+    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
+    models = c.model_options(
+        model=model,
+        checkpoint=checkpoint,
+        head=head,
+        checkpoint_key=checkpoint_key,
+        model_args=model_args,
+        output=output,
+        preprocess=pre,
+    )
+    data_opts = c.data_options(
+        data_root=data_root,
+        download=download,
+        limit=limit,
+        seed=seed,
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
+    )
+    dev = c.resolve_device(device, sharded=True)
+    with c.low_accuracy_seen() as seen:
+        run = fit_from_specs(
+            "laplace",
+            models,
+            data,
+            settings=settings,
+            data_options=data_opts,
+            val=val_data,
+            val_split=val_split,
+            select_required=prior_precision == "val-nll",
+            device=dev,
+            batch_size=batch_size,
+            feature_cache=feature_cache,
+            out=out,
+        )
+    post = run.posterior
     summary = {
         "posterior": str(out),
         "subset": subset.value,
@@ -176,19 +147,15 @@ def fit_laplace_cmd(
         "prior_method": post.meta["prior"]["method"],
         "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
         "fit_seconds": post.meta["fit_seconds"],
-        "forward_seconds": stream.seconds,
-        "preprocess": loaded.preprocess.source,
-        **c.model_facts(loaded),
+        "forward_seconds": run.forward_seconds,
+        "preprocess": run.model.preprocess.source,
+        **c.model_facts(run.model),
     }
-    if full_data.skipped:
-        summary["skipped_unreadable"] = len(full_data.skipped)
+    if run.data.skipped:
+        summary["skipped_unreadable"] = len(run.data.skipped)
         c.warn(
-            f"skipped {len(full_data.skipped)} unreadable images of {data} (listed in the posterior's data)"
+            f"skipped {len(run.data.skipped)} unreadable images of {data} (listed in the posterior's data)"
         )
-    if map_accuracy is not None:
-        summary["map_accuracy"] = map_accuracy
-        c.warn(low_accuracy_warning(summary["map_accuracy"], clf.num_classes, f"the fitting data {data}"))
-    c.warn(post.meta["prior"].get("warning"))
     if "refinement" in post.meta:
         ref = post.meta["refinement"]
         summary |= {
@@ -196,9 +163,4 @@ def fit_laplace_cmd(
             "objective_at_map": ref["objective_at_map"],
             "objective_refined": ref["objective_refined"],
         }
-    c.show(
-        quiet,
-        as_json,
-        c.table("Laplace posterior", ["", "value"], [[k, v] for k, v in summary.items()]),
-        payload=summary,
-    )
+    show_fit(run, seen, summary, "Laplace posterior", quiet, as_json)

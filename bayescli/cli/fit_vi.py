@@ -1,63 +1,42 @@
-"""``bayescli fit-vi``: fit a variational posterior (MNVI, FSVI, Dirichlet fVI) post hoc.
+"""``bayescli fit-vi``: fit a variational posterior (MNVI, FSVI, Dirichlet fVI, GLM/GGP VI, BBB) post hoc.
 
-Each method lives in ``bayescli.posterior.vi.<module>`` and exposes a ``Config`` dataclass, a
-post-hoc ``fit_<module>`` and a from-scratch ``train_<module>`` (used by ``bayescli train
---method``). Method options map one-to-one onto the config's fields (``--kl-weight`` →
-``kl_weight``); an option that the chosen method has no field for is a usage error.
+A thin layer over :func:`bayescli.fitting.fit_from_specs`: each method is a registry entry
+(:mod:`bayescli.registry`) whose settings dataclass the options fill. Method options map one-to-one
+onto the settings' fields (``--kl-weight`` → ``kl_weight``); ``--set NAME=VALUE`` reaches any
+field. An option that the chosen method has no field for is a usage error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from bayescli.cli import common as c
+from bayescli.cli.fit_options import Criterion, SelectBy, ValData, ValSplit, show_fit
 from bayescli.options import Subset, VIMethod
 
-# method → (module under bayescli.posterior.vi, config class); adding a method is one entry.
-VI_METHODS: dict[VIMethod, tuple[str, str]] = {
-    VIMethod.MNVI: ("mnvi", "MNVIConfig"),
-    VIMethod.FSVI: ("fsvi", "FSVIConfig"),
-    VIMethod.DIRICHLET_FVI: ("dirichlet_fvi", "DirichletFVIConfig"),
-    VIMethod.GLM_VI: ("glm_vi", "GLMVIConfig"),
-    VIMethod.GGP_VI: ("ggp_vi", "GGPVIConfig"),
-    VIMethod.BBB: ("bbb", "BBBConfig"),
-}
 
+def vi_settings(method: VIMethod, options: dict[str, Any], items: list[str]) -> Any:
+    """``method``'s settings from the given (non-``None``) options and ``--set NAME=VALUE`` items;
+    an option the method has no field for is a usage error naming its options."""
+    from bayescli.cli.train import parse_settings
+    from bayescli.registry import create_settings, parse_setting, setting_fields
 
-@dataclasses.dataclass
-class VIEntry:
-    config: type
-    fit: Callable[..., Any]
-    train: Callable[..., Any]
-
-
-def vi_method(method: VIMethod) -> VIEntry:
-    """The config class and the fit/train functions of ``method``."""
-    module_name, config = VI_METHODS[method]
-    module = importlib.import_module(f"bayescli.posterior.vi.{module_name}")
-    fit, train = (getattr(module, f"{verb}_{module_name}") for verb in ("fit", "train"))
-    return VIEntry(getattr(module, config), fit, train)
-
-
-def vi_config(method: VIMethod, options: dict[str, Any]) -> Any:
-    """``method``'s config with the given (non-``None``) options; unknown ones are usage errors."""
-    cls = vi_method(method).config
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = setting_fields(method.value)
     given = {k: v for k, v in options.items() if v is not None}
     for name in given:
         if name not in fields:
             raise typer.BadParameter(
                 f"does not apply to --method {method.value} (its options: "
-                f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields))})",
+                f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields))}; or --set NAME=VALUE)",
                 param_hint="--" + name.replace("_", "-"),
             )
-    return cls(**{k: v.value if hasattr(v, "value") else v for k, v in given.items()})
+    values = {k: v.value if hasattr(v, "value") else v for k, v in given.items()}
+    for name, text in parse_settings(items).items():
+        values[name] = parse_setting(method.value, name, text)
+    return create_settings(method.value, **values)
 
 
 Opt = typer.Option
@@ -80,7 +59,12 @@ LrOpt = Annotated[float | None, Opt(min=0.0, help="Learning rate (default: the m
 TrainBatchSizeOpt = Annotated[int | None, Opt(min=1, help="Minibatch size of the VI objective.")]
 CovarianceOpt = Annotated[str | None, Opt(help="GLM VI: diag or full posterior covariance.")]
 PriorPrecisionOpt = Annotated[
-    float | None, Opt(min=0.0, help="GLM/GGP VI, BBB: prior precision δ (default: Laplace marglik / 1).")
+    float | None,
+    Opt(
+        min=0.0,
+        help="GLM/GGP VI, BBB: prior precision δ (default: chosen on held-out data when there is any, else "
+        "the Laplace marginal likelihood; BBB from scratch: 1).",
+    ),
 ]
 InducingPointsOpt = Annotated[int | None, Opt(min=1, help="GGP VI: inducing points M (fitting inputs).")]
 
@@ -99,13 +83,24 @@ def fit_vi_cmd(
             "Not needed for hf:FOLDER models (their weights file is used)."
         ),
     ] = None,
-    val_data: Annotated[
-        str | None, typer.Option(help="Validation spec for --select (default: the val split).")
-    ] = None,
+    val_data: ValData = None,
+    val_split: ValSplit = None,
+    select_by: SelectBy = Criterion.NLL,
     subset: Annotated[Subset, typer.Option(help="Which weights get a posterior.")] = Subset.LAST_LAYER,
     select: Annotated[
-        bool, typer.Option("--select", help="Pick the method's key hyperparameters on validation NLL.")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--select/--no-select",
+            help="Choose the method's key hyperparameters on held-out data. Default: whenever held-out "
+            "data exists and the hyperparameter is not given; --select without --val-data uses the "
+            "validation split of --data.",
+            rich_help_panel="Validation",
+        ),
+    ] = None,
+    setting: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Any setting of the method NAME=VALUE (repeatable), e.g. --set tau=0.1."),
+    ] = None,
     variant: VariantOpt = None,
     family: FamilyOpt = None,
     members: MembersOpt = None,
@@ -147,14 +142,12 @@ def fit_vi_cmd(
     quiet: c.Quiet = False,
     as_json: c.Json = False,
 ) -> None:
-    """Fit a variational posterior to a trained classifier (MNVI, FSVI or Dirichlet fVI).
+    """Fit a variational posterior to a trained classifier (MNVI, FSVI, Dirichlet fVI, GLM/GGP VI, BBB).
 
     Example: bayescli fit-vi --method mnvi --model builtin:small-cnn --checkpoint model.safetensors
-    --data digits:train --select --out mnvi.safetensors
+    --data digits:train --val-data digits:val --out mnvi.safetensors
     """
-    from bayescli.data import validation_spec
-    from bayescli.features import logit_pass
-    from bayescli.metrics import low_accuracy_warning
+    from bayescli.fitting import fit_from_specs
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -180,51 +173,53 @@ def fit_vi_cmd(
         "covariance": covariance,
         "prior_precision": prior_precision,
         "inducing_points": inducing_points,
+        "subset": subset.value,
+        "select": select,
+        "select_by": select_by,
+        "seed": seed,
     }
-    fixed = {"subset": subset.value, "select": select, "seed": seed}
-    # Extra data specs of a method (FSVI context, Dirichlet-fVI index set) live beside --data.
-    roots = {"context_root": str(data_root), "index_root": str(data_root)}
-    fields = {f.name for f in dataclasses.fields(vi_method(method).config)}
-    fixed |= {k: v for k, v in roots.items() if k in fields}
-    cfg = vi_config(method, {**options, **fixed})
-    dev = c.resolve_device(device)
+    settings = vi_settings(method, options, setting or [])
     pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
-    loaded, fit_data = c.load_model_and_data(
-        model, checkpoint, head, checkpoint_key, pre, data, data_root, download, limit, seed,
-        num_workers, skip_unreadable, model_args=model_args, output=output,
-    )  # fmt: skip
-    val = None
-    if select:
-        val = c.load(val_data or validation_spec(data), data_root, download, None, seed, loaded.preprocess)
-        c.check_labels(val, loaded.classifier.num_classes)
-    map_accuracy = None
-    if subset is Subset.ALL:  # whole-network fits may never extract the fitting data's features
-        map_accuracy = logit_pass(loaded, fit_data, batch_size, dev).accuracy
-    with c.low_accuracy_seen() as seen:  # the library's warnings on the sets the fit extracted
-        post = vi_method(method).fit(loaded, fit_data, val, cfg, dev, batch_size)
-    if map_accuracy is None:
-        map_accuracy = next((w.accuracy for w in seen if w.spec == fit_data.spec), None)
-    if map_accuracy is not None:
-        c.warn(low_accuracy_warning(map_accuracy, loaded.classifier.num_classes, f"the fitting data {data}"))
-    c.record_provenance(post, loaded, fit_data)
-    post.save(out)
-    # selection and prior searches leave a "warning" in their metadata block (e.g. an edge of the grid)
-    warnings = [v["warning"] for v in post.meta.values() if isinstance(v, dict) and v.get("warning")]
-    for warning in warnings:
-        c.warn(warning)
+    models = c.model_options(
+        model=model,
+        checkpoint=checkpoint,
+        head=head,
+        checkpoint_key=checkpoint_key,
+        model_args=model_args,
+        output=output,
+        preprocess=pre,
+    )
+    data_opts = c.data_options(
+        data_root=data_root,
+        download=download,
+        limit=limit,
+        seed=seed,
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
+    )
+    dev = c.resolve_device(device)
+    with c.low_accuracy_seen() as seen:
+        run = fit_from_specs(
+            method.value,
+            models,
+            data,
+            settings=settings,
+            data_options=data_opts,
+            val=val_data,
+            val_split=val_split,
+            select_required=bool(select),
+            device=dev,
+            batch_size=batch_size,
+            out=out,
+        )
+    post = run.posterior
     summary = {
         "posterior": str(out),
         "method": method.value,
         "subset": subset.value,
         **post.summary(),
         "fit_seconds": post.meta.get("fit_seconds"),
-        "preprocess": loaded.preprocess.source,
-        **c.model_facts(loaded),
-        "warnings": warnings,
+        "preprocess": run.model.preprocess.source,
+        **c.model_facts(run.model),
     }
-    c.show(
-        quiet,
-        as_json,
-        c.table(f"{method.value} posterior", ["", "value"], [[k, v] for k, v in summary.items()]),
-        payload=summary,
-    )
+    show_fit(run, seen, summary, f"{method.value} posterior", quiet, as_json)

@@ -81,7 +81,15 @@ def inspect_cmd(
     )
     seen: dict[str, Any] = {}
     if data is not None:
-        test = c.load(data, data_root, download, limit, seed, loaded.preprocess, num_workers, skip_unreadable)
+        opts = c.data_options(
+            data_root=data_root,
+            download=download,
+            limit=limit,
+            seed=seed,
+            num_workers=num_workers,
+            skip_unreadable=skip_unreadable,
+        )
+        test = opts.load(data, loaded.preprocess)
         c.check_labels(test, loaded.classifier.num_classes)
         stream = FeatureStream(loaded, test, batch_size, dev, whole_network=True)
         for _ in stream:  # the first batch checks the head split and the output kind

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -13,62 +12,7 @@ from bayescli.cli import common as c
 from bayescli.errors import BayescliError
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, GGPMode, Link, Predictive
 
-if TYPE_CHECKING:
-    import torch
-
 MAX_SAVED_COV = 200_000_000  # N·K² floats written by --save-logits
-
-
-def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-input Dirichlet quantities written by ``--bridge`` / ``--dirichlet``."""
-    from bayescli.predictive import dirichlet
-
-    return {
-        "alpha": alpha,
-        "dirichlet_mean": dirichlet.mean(alpha),
-        "dirichlet_variance": dirichlet.variance(alpha),
-        "alpha0": dirichlet.precision(alpha),
-        "entropy_of_mean": dirichlet.entropy_of_mean(alpha),
-        "expected_entropy": dirichlet.expected_entropy(alpha),
-        "mutual_information": dirichlet.mutual_information(alpha),
-    }
-
-
-def rows(
-    probs: torch.Tensor,
-    labels: torch.Tensor | None,
-    names: list[str],
-    extra: dict[str, torch.Tensor],
-    chunk: int = 4096,
-) -> Iterator[dict]:
-    """Per-input JSON rows (prediction, top-5, max probability, entropy, label), chunk by chunk."""
-    from bayescli.metrics import entropy
-
-    for start in range(0, len(probs), chunk):
-        sl = slice(start, start + chunk)
-        top_p, top_i = probs[sl].topk(min(5, probs.shape[1]), dim=1)
-        cols = {
-            "top_i": top_i.tolist(),
-            "top_p": top_p.tolist(),
-            "entropy": entropy(probs[sl]).tolist(),
-            "label": labels[sl].tolist() if labels is not None else None,
-            **{key: value[sl].tolist() for key, value in extra.items()},
-        }
-        for j in range(len(cols["top_i"])):
-            ti, tp = cols["top_i"][j], cols["top_p"][j]
-            row = {
-                "index": start + j,
-                "predicted": ti[0],
-                "predicted_name": names[ti[0]],
-                "top5": [list(pair) for pair in zip(ti, tp, strict=True)],
-                "max_prob": tp[0],
-                "entropy": cols["entropy"][j],
-            }
-            if labels is not None:
-                row["label"] = cols["label"][j]
-            for key in extra:
-                row[key] = cols[key][j]
-            yield row
 
 
 def predict_cmd(
@@ -130,8 +74,9 @@ def predict_cmd(
     from bayescli.io import save_tensors, write_json, write_jsonl
     from bayescli.metrics import classification_summary
     from bayescli.predictive.fidelity import GAUSSIAN_IMAGE
-    from bayescli.predictive.ggp import fit_ggp
+    from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
     from bayescli.predictive.glm import predict
+    from bayescli.predictive.outputs import dirichlet_fields, prediction_rows
 
     c.setup(quiet, as_json, seed)
     if bridge:
@@ -175,19 +120,17 @@ def predict_cmd(
     ggp = None
     if predictive is Predictive.GGP:
         refine = ggp_mode is GGPMode.REFINED
-        ggp = fit_ggp(
-            post,
-            model,
-            ggp_points,
-            refine,
+        points = c.load(
+            ggp_fit_spec(post),
             data_root,
             download,
+            ggp_points,
             seed,
-            batch_size,
-            c.resolve_device(device),
-            num_workers=num_workers,
-            skip_unreadable=skip_unreadable,
+            model.preprocess,
+            num_workers,
+            skip_unreadable,
         )
+        ggp = fit_ggp(post, model, points, refine, batch_size, c.resolve_device(device))
     pred = predict(
         post,
         feats,
@@ -244,9 +187,9 @@ def predict_cmd(
         report["warnings"] = [note]
     row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
     if out is not None and out.suffix == ".jsonl":
-        write_jsonl(out, report, rows(pred.probs, feats.labels, model.class_names, row_extra))
+        write_jsonl(out, report, prediction_rows(pred.probs, feats.labels, model.class_names, row_extra))
     elif out is not None and out.suffix == ".json":
-        all_rows = list(rows(pred.probs, feats.labels, model.class_names, row_extra))
+        all_rows = list(prediction_rows(pred.probs, feats.labels, model.class_names, row_extra))
         write_json(out, {**report, "rows": all_rows})
     elif out is not None:
         tensors = {"probs": pred.probs, **extra}

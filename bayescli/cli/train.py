@@ -25,40 +25,6 @@ def parse_settings(items: list[str]) -> dict[str, str]:
     return out
 
 
-def typed_settings(config: type, settings: dict[str, str]) -> dict[str, object]:
-    """Convert ``--set`` strings to the types of ``config``'s fields (bool, int, float or str)."""
-    import dataclasses
-
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    out: dict[str, object] = {}
-    for key, text in settings.items():
-        if key not in fields:
-            raise BayescliError(
-                f"--set {key}: {config.__name__} has no such setting; "
-                f"choose from {', '.join(sorted(fields))}"
-            )
-        # The declared type (a string under postponed annotations) decides, not the default,
-        # which may be None ("use the method's default").
-        declared = str(fields[key].type)
-        kind = next((t for t in ("bool", "int", "float") if t in declared.replace("|", " ").split()), "str")
-        try:
-            if text.lower() == "none" and "None" in declared:
-                out[key] = None
-            elif kind == "bool":
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                out[key] = text.lower() in ("true", "1")
-            elif kind == "int":
-                out[key] = int(text)
-            elif kind == "float":
-                out[key] = float(text)
-            else:
-                out[key] = text
-        except ValueError:
-            raise BayescliError(f"--set {key}={text}: expected a {kind}") from None
-    return out
-
-
 def train(
     out: Annotated[Path, typer.Option(help="Checkpoint to write (.safetensors).")],
     model: Annotated[str, typer.Option(help="builtin:small-cnn or builtin:mlp.")] = "builtin:small-cnn",
@@ -97,7 +63,7 @@ def train(
     --set kl_weight=2e-7
     """
     from bayescli.data import DataSpec, validation_spec
-    from bayescli.train import save_checkpoint, train_classifier
+    from bayescli.training.classifier import save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -108,13 +74,17 @@ def train(
         raise typer.BadParameter("--set applies to VI methods", param_hint="--set")
     if posterior_out is not None and posterior_out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")
-    train_data = c.load(data, data_root, download, limit, seed, None, num_workers, skip_unreadable)
-    val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
-    val_data = (
-        c.load(val_spec, data_root, download, None, seed, None, num_workers, skip_unreadable)
-        if val_spec
-        else None
+    data_opts = c.data_options(
+        data_root=data_root,
+        download=download,
+        limit=limit,
+        seed=seed,
+        num_workers=num_workers,
+        skip_unreadable=skip_unreadable,
     )
+    train_data = data_opts.load(data, None)
+    val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
+    val_data = data_opts.load(val_spec, None, limit=False) if val_spec else None
     given = {"epochs": epochs, "lr": lr, "batch_size": batch_size}
     given = {k: v for k, v in given.items() if v is not None}
     dev = c.resolve_device(device)
@@ -123,19 +93,21 @@ def train(
         cfg = TrainConfig(**given, weight_decay=weight_decay, seed=seed)
         clf, meta = train_classifier(model, train_data, val_data, cfg, dev)
     else:
-        from bayescli.cli.fit_vi import vi_method
+        from bayescli.fitting import load_setting_data
+        from bayescli.registry import create_settings, parse_setting, train_function
 
-        entry = vi_method(VIMethod(method))
-        settings = {"seed": seed, **given, **typed_settings(entry.config, parse_settings(setting or []))}
-        vi_cfg = entry.config(**settings)
-        clf, meta, post = entry.train(model, train_data, val_data, vi_cfg, dev)
+        typed = {k: parse_setting(method, k, v) for k, v in parse_settings(setting or []).items()}
+        vi_settings = create_settings(method, seed=seed, **given, **typed)
+        vi_settings = load_setting_data(vi_settings, data_opts, None)
+        clf, meta, post = train_function(method)(model, train_data, val_data, vi_settings, dev)
     save_checkpoint(out, clf.cpu(), meta)
     summary: dict = {"method": method}
     if post is not None:
+        from bayescli.fitting import record_provenance
         from bayescli.models import load_classifier
 
         post_path = posterior_out or out.with_name(f"{out.stem}-{method}.safetensors")
-        c.record_provenance(post, load_classifier(model, out), train_data)
+        record_provenance(post, load_classifier(model, out), train_data, val_data)
         post.save(post_path)
         summary |= {"posterior": str(post_path), **post.summary()}
     summary |= {

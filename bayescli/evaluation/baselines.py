@@ -9,16 +9,14 @@ Which score goes where (``results.ood.<set>.<method>.<score>``):
 * ``map`` (they read the network, not a predictive): ``mahalanobis``, ``rel_mahalanobis``,
   ``knn``, ``vim``, ``react``, ``odin``.
 
-Detector statistics are fitted on the posterior's fitting data (or ``--fit-data``), the
+Detector statistics are fitted on the posterior's fitting data (or ``fit_data``), the
 temperature on a validation split; never on the OOD sets.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +24,13 @@ from bayescli.data import Data, DataSpec, load_data
 from bayescli.data.registry import DEFAULT_SPLIT_SEED
 from bayescli.errors import BayescliError
 from bayescli.evaluation import detectors as det
+from bayescli.evaluation.config import BaselineConfig, EvalConfig
 from bayescli.evaluation.methods import Method, MethodOutput
 from bayescli.evaluation.temperature import TemperatureFit, fit_temperature
 from bayescli.features import Features, extract_features
 from bayescli.metrics import adaptive_ece, classwise_ece, mce
 from bayescli.models import LoadedModel
-from bayescli.options import DEFAULT_CORRECTION, DEFAULT_OOD_SCORES, Link, Predictive
+from bayescli.options import DEFAULT_CORRECTION, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive import conformal as cp
 from bayescli.predictive.fidelity import (
@@ -45,63 +44,20 @@ from bayescli.predictive.fidelity import (
 )
 from bayescli.predictive.glm import logit_gaussian, predict
 
-if TYPE_CHECKING:
-    from bayescli.evaluation.runner import EvalConfig
-
-# --ood-scores name → report key
-SCORES = {
-    "msp": "max_prob",
-    "entropy": "neg_entropy",
-    "alpha0": "alpha0",
-    "mi": "neg_mutual_information",
-    "maxlogit": "max_logit",
-    "energy": "energy",
-    "mahalanobis": "mahalanobis",
-    "rel-mahalanobis": "rel_mahalanobis",
-    "knn": "knn",
-    "vim": "vim",
-    "react": "react",
-    "odin": "odin",
-}
 LOGIT_SCORES = ("max_logit", "energy")
 FITTED = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react")
 CALIBRATION_FRACTION = 0.5
 
 
-def parse_ood_scores(text: str) -> list[str]:
-    """``msp,energy,knn`` → report keys; unknown names are a usage error."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in SCORES]
-    if bad or not names:
-        raise BayescliError(f"unknown OOD score '{bad[0] if bad else text}'; choose from {', '.join(SCORES)}")
-    return [SCORES[n] for n in names]
-
-
-@dataclass
-class BaselineConfig:
-    """Options of the baselines (recorded in the report's protocol)."""
-
-    ood_scores: list[str] = field(default_factory=lambda: parse_ood_scores(DEFAULT_OOD_SCORES))
-    fit_data: str | None = None
-    val_data: str | None = None
-    fit_cache: Path | None = None
-    conformal: float | None = None
-    fidelity_inputs: int = 256
-    knn_k: int = 10
-    knn_bank: int | None = 10_000
-    ridge: float = 1e-6
-    react_percentile: float = 90.0
-    odin_temperature: float = 1000.0
-    odin_epsilon: float = 0.0014
-
-
 def _fit_spec(posterior: Posterior, bc: BaselineConfig) -> tuple[str, int | None, int]:
-    """Spec, limit and limit seed of the fitting data (``--fit-data`` or the recorded one)."""
+    """Spec, limit and limit seed of the fitting data (``fit_data`` or the recorded one)."""
     if bc.fit_data:
         return bc.fit_data, None, 0
     info = posterior.meta.get("data") or {}
     if not info.get("spec"):
-        raise BayescliError("the posterior file records no fitting data; pass --fit-data SPEC")
+        raise BayescliError(
+            "the posterior records no fitting data; give the detectors' fitting data (`fit_data`)"
+        )
     return str(info["spec"]), info.get("limit"), int(info.get("limit_seed", 0))
 
 
@@ -207,7 +163,8 @@ class Baselines:
                 )
             if feats.labels is None:
                 raise BayescliError(
-                    f"{data.spec} has no labels; temperature scaling needs labelled --val-data"
+                    f"{data.spec} has no labels; temperature scaling needs labelled validation data "
+                    "(`val_data`)"
                 )
             start = time.perf_counter()
             self.temperature = fit_temperature(feats.logits, feats.labels)
@@ -235,7 +192,8 @@ class Baselines:
         needs_labels = {"mahalanobis", "rel_mahalanobis"} & set(wanted)
         if needs_labels and feats.labels is None:
             raise BayescliError(
-                f"{data.spec} has no labels; {', '.join(sorted(needs_labels))} need labelled --fit-data"
+                f"{data.spec} has no labels; {', '.join(sorted(needs_labels))} need labelled fitting data "
+                "(`fit_data`)"
             )
         makers = {
             "mahalanobis": lambda: det.Mahalanobis.fit(feats.phi, feats.labels, k, self.bc.ridge),
@@ -459,7 +417,7 @@ def standalone_conformal(
 
     methods = parse_methods(method_name)
     if len(methods) != 1:
-        raise BayescliError(f"--method takes one method, got {method_name}")
+        raise BayescliError(f"conformal sets take one method (`method`), got {method_name}")
     method = methods[0]
     if method.predictive is Predictive.GGP:
         raise BayescliError("ggp methods need their fitting points; use evaluate --conformal for them")
@@ -480,7 +438,8 @@ def standalone_conformal(
             feats = extract_features(model, data, cfg.batch_size, cfg.device)
             if feats.labels is None:
                 raise BayescliError(
-                    f"{val_spec} has no labels; temperature scaling needs labelled --val-data"
+                    f"{val_spec} has no labels; temperature scaling needs labelled validation data "
+                    "(`val_data`)"
                 )
             fit = fit_temperature(feats.logits, feats.labels)
             info["temperature"] = {**fit.info(), "data": data.info}

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -25,13 +24,13 @@ from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
 from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import fgsm
 from bayescli.evaluation.baselines import (
-    BaselineConfig,
     Baselines,
     calibration_extras,
     conformal_suite,
     fidelity_suite,
     overlaps,
 )
+from bayescli.evaluation.config import EvalConfig
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
 from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import (
@@ -46,7 +45,7 @@ from bayescli.metrics import (
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
-from bayescli.predictive.ggp import fit_ggp
+from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
 from bayescli.preprocess import Preprocess
 from bayescli.progress import track
 
@@ -54,31 +53,6 @@ SCHEMA_VERSION = 3
 # A method whose argmax differs from MAP's on more than this fraction of the test inputs is flagged:
 # its accuracy is then another classifier's, not MAP's with better uncertainty.
 ARGMAX_CHANGE_WARNING = 0.005
-
-
-@dataclass
-class EvalConfig:
-    """What to run (a suite is skipped when its list is empty)."""
-
-    methods: list[Method]
-    ood: list[str] = field(default_factory=list)
-    ood_limit: int | None = None
-    rotations: list[float] = field(default_factory=list)
-    corruptions: list[str] = field(default_factory=list)
-    severities: list[int] = field(default_factory=list)
-    corruption_root: Path | None = None
-    epsilons: list[tuple[str, float]] = field(default_factory=list)
-    samples: int = 1000
-    ggp_points: int = 1000
-    ggp_mode: str = "refined"
-    seed: int = 0
-    batch_size: int = 256
-    data_root: Path = Path("data")
-    download: bool = False
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    num_workers: int = 0
-    skip_unreadable: bool = False
-    baselines: BaselineConfig = field(default_factory=BaselineConfig)
 
 
 class Evaluator:
@@ -108,18 +82,9 @@ class Evaluator:
         for tag in {m.posterior for m in self.methods if m.predictive is Predictive.GGP}:
             post = posteriors[tag]
             start = time.perf_counter()
+            points = cfg.ggp_data[tag] if tag in cfg.ggp_data else load_ggp_data(post, model, cfg)
             self.ggp[tag] = fit_ggp(
-                post,
-                model,
-                cfg.ggp_points,
-                cfg.ggp_mode == "refined",
-                cfg.data_root,
-                cfg.download,
-                cfg.seed,
-                cfg.batch_size,
-                cfg.device,
-                num_workers=cfg.num_workers,
-                skip_unreadable=cfg.skip_unreadable,
+                post, model, points, cfg.ggp_mode == "refined", cfg.batch_size, cfg.device
             )
             self.timings[f"ggp_fit.{tag}" if self.prefix else "ggp_fit"] = time.perf_counter() - start
         if fitted is None:
@@ -247,10 +212,6 @@ def degenerate_posteriors(
     return lines
 
 
-def _ood_key(spec: str) -> str:
-    return spec[:-5] if spec.endswith(":test") else spec
-
-
 def _attack(
     x: torch.Tensor, y: torch.Tensor, classifier: Classifier, eps: float, timings: dict
 ) -> torch.Tensor:
@@ -262,26 +223,53 @@ def _attack(
     return out
 
 
-def load_ood(spec: str, reference: Data, cfg: EvalConfig, preprocess: Preprocess | None = None) -> Data:
-    """An OOD set shaped like ``reference``: synthetic, or any data spec (test split by default)."""
-    if spec in SYNTHETIC_OOD:
+def load_ood(
+    spec: str | Data, reference: Data, cfg: EvalConfig, preprocess: Preprocess | None = None
+) -> Data:
+    """An OOD set shaped like ``reference``: synthetic, any data spec (test split by default), or
+    a loaded set (its labels are dropped: OOD inputs have none of the model's classes)."""
+    if isinstance(spec, Data):
+        data = spec
+    elif spec in SYNTHETIC_OOD:
         return synthetic_ood(spec, reference, cfg.ood_limit or len(reference), cfg.seed)
-    data = load_data(
-        spec,
-        cfg.data_root,
-        cfg.download,
-        cfg.ood_limit,
-        cfg.seed,
-        preprocess=preprocess,
-        num_workers=cfg.num_workers,
-        skip_unreadable=cfg.skip_unreadable,
-    )
+    else:
+        data = load_data(
+            spec,
+            cfg.data_root,
+            cfg.download,
+            cfg.ood_limit,
+            cfg.seed,
+            preprocess=preprocess,
+            num_workers=cfg.num_workers,
+            skip_unreadable=cfg.skip_unreadable,
+        )
     if data.input_shape != reference.input_shape:
         raise BayescliError(
-            f"OOD set {spec} has inputs {list(data.input_shape)} but the model takes "
+            f"OOD set {data.spec} has inputs {list(data.input_shape)} but the model takes "
             f"{list(reference.input_shape)}; use a set of the same shape or noise:/patches"
         )
     return data.drop_labels(reference.class_names)
+
+
+def ood_name(spec: str | Data) -> str:
+    """The key of an OOD set in ``results.ood``: its spec, without a default ``:test`` split."""
+    spec = spec.spec if isinstance(spec, Data) else spec
+    return spec[:-5] if spec.endswith(":test") else spec
+
+
+def load_ggp_data(post: Posterior, model: LoadedModel, cfg: EvalConfig) -> Data:
+    """The points the ``ggp-*`` methods of ``post`` fit the GP on: a seeded subset of
+    ``cfg.ggp_points`` inputs of its recorded fitting data, prepared with ``model``'s recipe."""
+    return load_data(
+        ggp_fit_spec(post),
+        cfg.data_root,
+        cfg.download,
+        cfg.ggp_points,
+        cfg.seed,
+        preprocess=model.preprocess,
+        num_workers=cfg.num_workers,
+        skip_unreadable=cfg.skip_unreadable,
+    )
 
 
 def describe_posterior(post: Posterior) -> dict:
@@ -359,7 +347,7 @@ def run_evaluation(
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
             outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess), detect=True)
-            results["ood"][_ood_key(spec)] = {
+            results["ood"][ood_name(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
                     **{

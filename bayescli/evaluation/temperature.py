@@ -50,7 +50,7 @@ def fit_temperature(
     from scipy.optimize import minimize_scalar
 
     if labels is None or len(labels) == 0:
-        raise BayescliError("temperature scaling needs labelled validation data (--val-data)")
+        raise BayescliError("temperature scaling needs labelled validation data (`val_data`)")
     lo, hi = bounds
     if not 0 < lo < 1 < hi:
         raise BayescliError(f"temperature bounds must satisfy 0 < lo < 1 < hi, got {bounds}")

@@ -10,8 +10,8 @@ A posterior turns what the backbone produced into the currency of DESIGN §1, a
 
 Every posterior is written to one file format — safetensors plus JSON metadata — whose
 ``method`` entry names the class that reads it back. :func:`load_posterior` dispatches on it
-through :data:`METHODS`; adding a method is one entry there (module path and class name), so the
-registry needs no import of the methods and start-up stays light.
+through the method registry (:mod:`bayescli.registry`, ``module:Class`` strings, so start-up
+stays light); adding a method is one entry there.
 """
 
 from __future__ import annotations
@@ -35,17 +35,6 @@ if TYPE_CHECKING:
 FORMAT = "bayescli-posterior"
 FORMAT_VERSION = 1
 
-# method name → "module:Class"; the class implements Posterior and reads its own files.
-METHODS: dict[str, str] = {
-    "laplace": "bayescli.posterior.laplace:LaplacePosterior",
-    "mnvi": "bayescli.posterior.vi.mnvi:MNVIPosterior",
-    "fsvi": "bayescli.posterior.vi.fsvi:FSVIPosterior",
-    "dirichlet-fvi": "bayescli.posterior.vi.dirichlet_fvi:DirichletFVIPosterior",
-    "glm-vi": "bayescli.posterior.vi.glm_vi:GLMVIPosterior",
-    "ggp-vi": "bayescli.posterior.vi.ggp_vi:GGPVIPosterior",
-    "bbb": "bayescli.posterior.vi.bbb:BBBPosterior",
-}
-
 # Metadata keys every posterior file carries, written by Posterior.metadata().
 COMMON_KEYS = frozenset({"format", "format_version", "bayescli_version", "method", "subset"})
 
@@ -66,6 +55,7 @@ class Posterior(ABC):
     subset: Subset
     meta: dict
     path: Path | None = None  # the file it was read from, if any
+    model: LoadedModel | None = None  # the model it was fitted on or loaded with (Python API)
 
     @property
     def needs_inputs(self) -> bool:
@@ -100,7 +90,18 @@ class Posterior(ABC):
         generator: torch.Generator,
     ) -> torch.Tensor:
         """BNN predictive: logits ``[M, N, K]`` of the network at ``M`` weight draws."""
-        raise BayescliError(f"{self.method} posteriors have no BNN predictive; use --predictive glm")
+        raise BayescliError(f"{self.method} posteriors have no BNN predictive; use the glm predictive")
+
+    def predict(self, data: object, **options: object) -> object:
+        """Predictive probabilities on ``data`` (a DataLoader, ``(x, y)`` tensors, ``Data`` or a
+        spec) → ``Prediction`` with ``probs [N, K]``, ``alpha``, ``logit_mean``/``logit_var [N, K]``.
+
+        The Python API's convenience (:func:`bayescli.api.predict`, which holds the options): it
+        reaches up to the feature and predictive layers, so it is imported on call.
+        """
+        from bayescli.api import predict
+
+        return predict(self, data, **options)
 
     # -- files --------------------------------------------------------------------------------
 
@@ -190,11 +191,9 @@ class Posterior(ABC):
 
 def posterior_class(method: str) -> type[Posterior]:
     """The class registered for ``method`` (imported on first use)."""
-    if method not in METHODS:
-        raise BayescliError(
-            f"unknown posterior method '{method}'; this bayescli reads {', '.join(sorted(METHODS))}"
-        )
-    module, _, name = METHODS[method].partition(":")
+    from bayescli.registry import posterior_class_name
+
+    module, _, name = posterior_class_name(method).partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -204,9 +203,7 @@ def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Post
     tensors, meta = load_tensors(path)
     tensors = {k: v.to(device) for k, v in tensors.items()}
     if meta.get("format") != FORMAT:
-        raise BayescliError(
-            f"{path} is not a bayescli posterior file; create one with fit-laplace or fit-vi"
-        )
+        raise BayescliError(f"{path} is not a bayescli posterior file; create one with fit-laplace or fit-vi")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise BayescliError(
             f"{path} was written by a newer bayescli (format {meta['format_version']}); upgrade"

@@ -110,7 +110,7 @@ def _backpack_batch(
     }.get((structure, curvature))
     if ext is None:
         raise BayescliError(
-            f"BackPACK has no {structure.value} {curvature.value} extension; use --backend closed-form"
+            f"BackPACK has no {structure.value} {curvature.value} extension; use backend='closed-form'"
         )
     lin.zero_grad()
     loss = loss_fn(lin(phi_aug), targets)
@@ -155,8 +155,8 @@ class CurvatureAccumulator:
         k = weight_aug.shape[0]
         if structure is HessianStructure.FULL and k * weight_aug.shape[1] > 20_000:
             raise BayescliError(
-                f"--hessian full on a {weight_aug.shape[1] - 1}→{k} head has {k * weight_aug.shape[1]:,} "
-                "parameters (limit 20,000); use --hessian kron or --hessian diag"
+                f"hessian='full' on a {weight_aug.shape[1] - 1}→{k} head has {k * weight_aug.shape[1]:,} "
+                "parameters (limit 20,000); use hessian='kron' or 'diag'"
             )
         if backend is Backend.AUTO:
             backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
@@ -189,7 +189,7 @@ class CurvatureAccumulator:
         """Add a batch of features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head)."""
         if labels is None:
             if self.curvature is CurvatureType.EF:
-                raise BayescliError("--curvature ef needs labelled fitting data")
+                raise BayescliError("curvature='ef' needs labelled fitting data")
             self.labelled = False
         self._phi.append(phi_aug)
         self._labels.append(labels)
@@ -300,12 +300,12 @@ def all_layer_curvature(
     """
     structure, curvature = HessianStructure(structure), CurvatureType(curvature)
     if structure is HessianStructure.KRON:
-        raise BayescliError("all-layer kron is not supported; use --subset last-layer or --hessian diag")
+        raise BayescliError("all-layer kron is not supported; use subset='last-layer' or hessian='diag'")
     n_params = sum(p.numel() for p in net.parameters())
     if structure is HessianStructure.FULL and n_params > 20_000:
         raise BayescliError(
-            f"--subset all --hessian full needs ≤ 20,000 parameters; this network has {n_params:,}. "
-            "Use --hessian diag or --subset last-layer"
+            f"subset='all' with hessian='full' needs ≤ 20,000 parameters; this network has {n_params:,}. "
+            "Use hessian='diag' or subset='last-layer'"
         )
     torch.manual_seed(seed)
     gen = devices.generator(next(net.parameters()).device, seed)
@@ -429,7 +429,7 @@ def _all_layer_full(
                 else torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
             )
             if labels is None:
-                raise BayescliError("--curvature ef needs labelled fitting data")
+                raise BayescliError("curvature='ef' needs labelled fitting data")
             g = torch.einsum("nk,nkp->np", _residual(probs, labels), jac)
             part = g.T @ g
         total = part if total is None else total + part

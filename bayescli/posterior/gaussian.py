@@ -297,7 +297,7 @@ class FullGaussian(WeightGaussian):
         if p > MAX_FULL_PARAMS:
             raise BayescliError(
                 f"a full covariance over {p:,} parameters exceeds the {MAX_FULL_PARAMS:,} limit; "
-                "use --hessian kron or --hessian diag"
+                "use hessian='kron' or 'diag'"
             )
         self.mean, self.H, self.delta = mean, H, float(delta)
         # One eigendecomposition serves every δ: Σ = Q diag(1/(λ + δ)) Qᵀ.

@@ -233,7 +233,7 @@ class LaplacePosterior(Posterior):
     def optimise_prior_marglik(self) -> float:
         """Set ``δ`` to the maximiser of the Laplace marginal likelihood; returns it."""
         if self.log_likelihood is None:
-            raise BayescliError("--prior-precision auto needs labelled fitting data; pass a float instead")
+            raise BayescliError("prior_precision='auto' (marglik) needs labelled fitting data; give a number")
         delta, curve = optimise_marglik(self.gaussian, self.log_likelihood)
         self.set_prior_precision(delta, "marglik", curve)
         return delta
@@ -353,7 +353,7 @@ def fit_laplace(
     Last layer: pass ``phi [N, D]`` (and ``labels``), or ``features``, an iterable of
     ``(phi [B, D], labels [B])`` batches that is consumed once without being held (memory: one
     batch plus the curvature factors). All layers: pass pixel-space ``batches`` (consumed once).
-    ``val-nll`` tuning needs a predictive and lives in :mod:`bayescli.predictive.tuning`.
+    Choosing δ on validation data needs a predictive and lives in :mod:`bayescli.laplace_fit`.
 
     ``refine_steps > 0`` (last layer only) first moves the mode to the optimum of the convex
     linearised objective (:mod:`bayescli.posterior.refine`) with the prior precision chosen at
@@ -386,9 +386,9 @@ def fit_laplace(
     post = fit()
     if refine_steps > 0:
         if not last_layer:
-            raise BayescliError("--refine-mode applies to last-layer posteriors; use --subset last-layer")
+            raise BayescliError("refine_steps applies to last-layer posteriors; use subset='last-layer'")
         if labels is None:
-            raise BayescliError("--refine-mode needs labelled fitting data")
+            raise BayescliError("refine_steps needs labelled fitting data")
         delta = post.prior_precision
         phi_aug = augment(phi) if post.head_bias else phi
         refined, history = refine_mode(post.gaussian.mean, phi_aug, labels, delta, refine_steps)

@@ -107,5 +107,5 @@ def edge_warning(delta: float, curve: list[list[float]]) -> str | None:
     toward = "a stronger prior (predictions closer to MAP)" if side == "largest" else "a weaker prior"
     return (
         f"the prior precision {delta:.3g} is the {side} value searched ({lo:.3g}–{hi:.3g}); the "
-        f"objective may improve further toward {toward}: pass a number to --prior-precision"
+        f"objective may improve further toward {toward}: give prior_precision a number"
     )

@@ -19,17 +19,18 @@ covariance ``diag_c(k_c** − b_cᵀ k_c*) + Bᵀ (Σ_c E_c)⁻¹ B`` with ``b_c
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from scipy.optimize import minimize_scalar
 
-from bayescli.data import Data, load_data
-from bayescli.errors import BayescliError
+from bayescli.data import Data
+from bayescli.errors import BayescliError, BayescliWarning
 from bayescli.features import Features, extract_features
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Subset
+from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment, cholesky_jitter
 from bayescli.posterior.laplace import LaplacePosterior
@@ -265,7 +266,7 @@ class GGPPredictor:
         if len(x) * self.post.meta.get("num_classes", 10) * n_params * 8 > MAX_JACOBIAN_BYTES:
             raise BayescliError(
                 f"the all-layer GGP kernel needs {len(x)}×C×{n_params:,} Jacobian entries; "
-                "lower --ggp-points or use a last-layer posterior"
+                "use fewer GGP fitting points (`ggp_points`) or a last-layer posterior"
             )
         x = x.to(self.post.gaussian.mean.device)
         f, jac = network_jacobian(self.classifier.net, self.classifier.normalise(x))
@@ -281,9 +282,7 @@ class GGPPredictor:
             test = self._phi(feats.phi)
             k_cross = (self.train @ test.T / self.delta)[None]
             k_diag = (test.pow(2).sum(1) / self.delta)[None]
-            lg = self.model.predict(
-                k_cross, k_diag, test.new_zeros(len(test), self.model.num_classes)
-            )
+            lg = self.model.predict(k_cross, k_diag, test.new_zeros(len(test), self.model.num_classes))
             return LogitGaussian(lg.mean.float(), lg.var.float(), lg.cov.float())
         parts = []
         for x, _ in data.batches(batch_size):
@@ -295,42 +294,56 @@ class GGPPredictor:
         return LogitGaussian.cat(parts)
 
 
-def fit_ggp(
-    posterior: LaplacePosterior,
-    model: LoadedModel,
-    points: int,
-    refine: bool,
-    root: str | Path,
-    download: bool = False,
-    seed: int = 0,
-    batch_size: int = 256,
-    device: torch.device | str = "cpu",
-    num_workers: int = 0,
-    skip_unreadable: bool = False,
-) -> GGPPredictor:
-    """Fit the GGP on a seeded subset of ``points`` inputs of the posterior's own fitting data.
-
-    The subset's provenance is recorded in ``info["data"]``.
-    """
-    if not isinstance(posterior, LaplacePosterior):
-        raise BayescliError(
-            f"the GGP predictive needs a Laplace posterior (its prior precision defines the GP prior), "
-            f"not {posterior.method}; use --predictive glm or a fit-laplace file"
-        )
+def ggp_fit_spec(posterior: Posterior) -> str:
+    """The data spec of ``posterior``'s recorded fitting data, whose seeded subset the caller loads
+    (with the model's recipe) and passes to :func:`fit_ggp`; raises when the posterior cannot
+    define a GGP."""
+    _check_laplace(posterior)
     spec = (posterior.meta.get("data") or {}).get("spec")
     if not spec:
-        raise BayescliError("the posterior does not record its fitting data; refit it with fit-laplace")
-    fit_data = load_data(
-        spec,
-        root,
-        download,
-        points,
-        seed,
-        preprocess=model.preprocess,
-        num_workers=num_workers,
-        skip_unreadable=skip_unreadable,
-    )
+        raise BayescliError(
+            "the posterior does not record its fitting data; refit it (Laplace) or give the GGP's "
+            "fitting points (`ggp_data`)"
+        )
+    return str(spec)
+
+
+def fit_ggp(
+    posterior: Posterior,
+    model: LoadedModel,
+    fit_data: Data,
+    refine: bool,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+) -> GGPPredictor:
+    """Fit the GGP on ``fit_data`` (labelled points of the posterior's fitting distribution,
+    prepared with ``model``'s recipe; usually a seeded subset of its recorded fitting data).
+
+    The points' provenance is recorded in ``info["data"]``.
+    """
+    _check_laplace(posterior)
+    prior = posterior.meta.get("prior") or {}
+    if refine and prior.get("method") == "val-nll":
+        # the refined mode is the GP posterior's at δ; a δ chosen for the GLM predictive (up to
+        # the MAP limit, δ → ∞) pulls that mode to the prior mean, far from the trained network
+        warnings.warn(
+            BayescliWarning(
+                f"the refined GGP predictive uses δ = {posterior.prior_precision:.3g}, chosen on validation "
+                f"data for the {prior.get('objective', 'GLM predictive')}; refinement moves the mode toward "
+                "the prior mean as δ grows. Use the map GGP mode, or a posterior with the marglik δ "
+                f"({prior.get('marglik', float('nan')):.3g})"
+            ),
+            stacklevel=2,
+        )
     feats = extract_features(model, fit_data, batch_size, device)
     ggp = GGPPredictor(posterior, feats, refine, model.classifier, fit_data)
     ggp.info |= {"data": fit_data.info}
     return ggp
+
+
+def _check_laplace(posterior: Posterior) -> None:
+    if not isinstance(posterior, LaplacePosterior):
+        raise BayescliError(
+            f"the GGP predictive needs a Laplace posterior (its prior precision defines the GP prior), "
+            f"not {posterior.method}; use the glm predictive or a Laplace posterior"
+        )

@@ -42,6 +42,16 @@ class Prediction:
     timings: dict = field(default_factory=dict)
     expected_entropy: torch.Tensor | None = None
 
+    @property
+    def logit_mean(self) -> torch.Tensor | None:
+        """Mean of the logit Gaussian ``[N, K]`` (``None`` when the predictive has none)."""
+        return None if self.logits is None else self.logits.mean
+
+    @property
+    def logit_var(self) -> torch.Tensor | None:
+        """Per-class logit variances ``[N, K]`` (the covariance's diagonal)."""
+        return None if self.logits is None else self.logits.var
+
 
 def logit_gaussian(
     posterior: Posterior,
@@ -106,7 +116,9 @@ def predict(
     if predictive is not Predictive.BNN:
         if predictive is Predictive.GGP:
             if ggp is None:
-                raise BayescliError("the GGP predictive needs its fitting points (see --ggp-points)")
+                raise BayescliError(
+                    "the GGP predictive needs its fitting points: pass ggp, the predictor fit_ggp fitted"
+                )
             lg = ggp.logit_gaussian(feats, data, batch_size)
         else:
             lg = logit_gaussian(posterior, feats, classifier, data, batch_size)

@@ -7,10 +7,16 @@ the pre-activations ``N(a μ_Wᵀ + μ_b, a² σ_W²ᵀ + σ_b²)`` per input) a
 for ``nn.Conv2d`` (one weight draw per minibatch). Layers without parameters pass through; other
 parameterised layers (e.g. BatchNorm) are refused.
 
-``train_bbb`` trains from scratch (the seed's BBB); ``fit_bbb`` starts at a checkpoint's weights
-(``μ = θ*``, ``σ = init_std``). Predictive: the BNN's — ``sample_logits`` runs the network at
-draws from ``q``; :meth:`BBBPosterior.logit_gaussian_inputs` is the moment-matched Gaussian of
-``samples`` such logit draws (an approximation: ``exact = False``).
+:func:`bayescli.training.bbb.train` trains from scratch (the seed's BBB); :func:`fit` starts at a
+checkpoint's weights (``μ = θ*``, ``σ = init_std``). Prior precision ``δ``
+(:mod:`~bayescli.posterior.vi.prior_precision`): given, else chosen on validation data over a grid
+around the all-layer (diagonal) Laplace marginal-likelihood optimum at ``θ*``, else that optimum
+(from scratch: 1.0, or the seed's grid with ``select=True``). No ``δ`` recovers MAP: the prior is
+centred at zero, so as ``δ → ∞`` every weight is pulled to zero.
+
+Predictive: the BNN's — ``sample_logits`` runs the network at draws from ``q``;
+:meth:`BBBPosterior.logit_gaussian_inputs` is the moment-matched Gaussian of ``samples`` such logit
+draws (an approximation: ``exact = False``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,51 +33,76 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.metrics import nll
-from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.fit_source import FitSource
+from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
-from bayescli.posterior.prior import edge_warning
-from bayescli.posterior.vi.glm_vi import SELECT_GRID, _as_float, network_logits
+from bayescli.posterior.laplace import fit_laplace
+from bayescli.posterior.selection import Criterion
+from bayescli.posterior.vi.network_weights import network_logits
+from bayescli.posterior.vi.prior_precision import (
+    MARGLIK_RULE,
+    Default,
+    Grid,
+    Validation,
+    choose_prior_precision,
+    require_validation,
+    select_criterion,
+    selects,
+)
+from bayescli.posterior.vi.setting_values import as_float
 from bayescli.progress import track
-from bayescli.train import channel_stats, checkpoint_metadata
 
 
 @dataclass
 class BBBConfig:
-    """Settings of ``--method bbb``.
+    """Settings of Bayes by Backprop (``bbb``).
 
     * ``subset``: ``all`` (BBB places a posterior on every weight).
-    * ``prior_precision``: δ of the prior ``N(0, δ⁻¹ I)``.
+    * ``prior_precision``: δ of the prior ``N(0, δ⁻¹ I)``; ``None`` = chosen on validation data if
+      any (see ``select``), else the all-layer diagonal Laplace marginal-likelihood optimum at the
+      checkpoint (from scratch: :data:`SCRATCH_PRIOR_PRECISION`).
     * ``epochs``, ``lr``, ``batch_size``: Adam on the minibatch objective.
     * ``init_std``: σ of every weight at the start (the means start at the checkpoint or a fresh init).
-    * ``samples``: weight draws behind the moment-matched logit Gaussian and the validation NLL.
+    * ``samples``: weight draws behind the moment-matched logit Gaussian and the validation predictive.
     * ``seed``: seeds the initialisation, minibatches and draws.
-    * ``select``: train once per δ of the GLM VI grid and keep the lowest validation NLL.
+    * ``select``: choose δ on validation data (one BBB run per candidate) — ``None`` (default):
+      whenever validation data is given and δ is not; ``True``: required (an error without
+      validation data); ``False``: never. A given ``prior_precision`` is always used as is. The
+      from-scratch trainer selects only with ``True``.
+    * ``select_by``: the validation criterion (``nll``, ``ece`` or ``brier``).
     """
 
     subset: str = "all"
-    prior_precision: float = 1.0
+    prior_precision: float | None = None
     epochs: int = 100
     lr: float = 1e-3
     batch_size: int = 128
     init_std: float = 1e-3
     samples: int = 100
     seed: int = 0
-    select: bool = False
+    select: bool | None = None
+    select_by: Criterion = Criterion.NLL
 
     def __post_init__(self) -> None:
-        require(self.subset == Subset.ALL.value, "bbb places a posterior on every weight; use --subset all")
-        self.prior_precision = _as_float(self.prior_precision, "--prior-precision")
+        require(self.subset == Subset.ALL.value, "bbb places a posterior on every weight; use subset 'all'")
+        self.prior_precision = as_float(self.prior_precision, "prior_precision")
         require(
-            self.prior_precision is not None and self.prior_precision > 0,
-            f"--prior-precision must be a positive number, got {self.prior_precision}",
+            self.prior_precision is None or self.prior_precision > 0,
+            f"prior_precision must be positive, got {self.prior_precision}",
         )
-        require(self.lr > 0 and self.init_std > 0, "--lr and init_std must be positive")
-        require(min(self.epochs, self.batch_size, self.samples) >= 1, "epochs, batch size and samples ≥ 1")
+        require(self.lr > 0 and self.init_std > 0, "lr and init_std must be positive")
+        require(
+            min(self.epochs, self.batch_size, self.samples) >= 1, "epochs, batch_size and samples must be ≥ 1"
+        )
+        self.select_by = select_criterion(self.select_by)
+
+
+# From scratch there is no trained network to take a marginal likelihood at: the former default.
+SCRATCH_PRIOR_PRECISION = 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,13 +298,13 @@ _OWN_KEYS = {"prior_precision", "n_data", "samples", "seed", "predictive", "exac
 
 
 # ---------------------------------------------------------------------------------------------
-# training
+# fitting
 # ---------------------------------------------------------------------------------------------
 
 
 def train_mean_field(
     classifier: Classifier,
-    train: ArrayData,
+    train: Data,
     cfg: BBBConfig,
     delta: float,
     device: torch.device,
@@ -304,93 +336,87 @@ def train_mean_field(
     return BBBPosterior(mean, std, float(delta), n, cfg.samples, cfg.seed), history
 
 
-def _val_nll(post: BBBPosterior, classifier: Classifier, val: ArrayData, batch_size: int) -> float:
-    probs = []
-    for x, _ in val.batches(batch_size):
-        gen = torch.Generator().manual_seed(post.seed)
-        probs.append(post.sample_logits(post.samples, classifier, x, None, gen).softmax(-1).mean(0))
-    return nll(torch.cat(probs), val.y)
-
-
-def _fit(
+def validation(
     classifier: Classifier,
-    train: ArrayData,
-    val: ArrayData | None,
-    cfg: BBBConfig,
+    val: Data,
+    samples: int,
+    criterion: Criterion,
+    batch_size: int,
+    map_probs: torch.Tensor | None,
+) -> Validation:
+    """The BNN predictive on ``val`` ``[N, K]``: per batch, ``samples`` network runs at draws from
+    ``q`` seeded with the posterior's seed (``map_probs [N, K]``: the network's own softmax)."""
+
+    def probs(post: BBBPosterior) -> torch.Tensor:
+        parts = []
+        for x, _ in val.batches(batch_size):
+            gen = torch.Generator().manual_seed(post.seed)
+            parts.append(post.sample_logits(post.samples, classifier, x, None, gen).softmax(-1).mean(0))
+        return torch.cat(parts)
+
+    objective = f"validation {criterion.value} (bnn predictive, {samples} draws)"
+    return Validation(probs, val.y, objective, map_probs)
+
+
+def fit_mean_field(
+    classifier: Classifier,
+    train: Data,
+    settings: BBBConfig,
     device: torch.device,
-    batch_size: int = 256,
+    default: Callable[[], Default],
+    val: Validation | None,
+    grid: Grid | None = None,
 ) -> BBBPosterior:
-    require(train.y is not None, f"{train.spec} has no labels; BBB needs labelled data")
+    """BBB from ``classifier``'s weights at the ``δ`` that
+    :func:`~bayescli.posterior.vi.prior_precision.choose_prior_precision` picks (``default()`` the
+    principled one, ``val`` the held-out scoring, ``grid`` the search grid)."""
+    cfg = settings
     start = time.perf_counter()
-    if cfg.select:
-        require(val is not None and val.y is not None, "--select needs labelled validation data (--val-data)")
-        curve, fits = [], {}
-        for delta in SELECT_GRID:
-            fits[delta] = train_mean_field(classifier, train, cfg, delta, device)
-            curve.append([delta, _val_nll(fits[delta][0], classifier, val, batch_size)])
-        delta = min(curve, key=lambda dv: dv[1])[0]
-        post, history = fits[delta]
-        post.meta["prior"] = {
-            "value": delta,
-            "method": "val-nll",
-            "curve": curve,
-            "objective": f"validation NLL (bnn predictive, {cfg.samples} draws)",
+
+    def run(delta: float) -> BBBPosterior:
+        post, history = train_mean_field(classifier, train, cfg, delta, device)
+        post.meta["vi"] = {
+            "algorithm": "Bayes by Backprop, mean field (local reparameterisation for Linear, "
+            "weight reparameterisation for Conv2d)",
+            "epochs": cfg.epochs,
+            "lr": cfg.lr,
+            "batch_size": cfg.batch_size,
+            "init_std": cfg.init_std,
+            "objective": history,
         }
-        warning = edge_warning(delta, curve)
-        if warning:
-            post.meta["prior"]["warning"] = warning
-    else:
-        post, history = train_mean_field(classifier, train, cfg, cfg.prior_precision, device)
-        post.meta["prior"] = {"value": cfg.prior_precision, "method": "given"}
-    post.meta["vi"] = {
-        "algorithm": "Bayes by Backprop, mean field (local reparameterisation for Linear, "
-        "weight reparameterisation for Conv2d)",
-        "epochs": cfg.epochs,
-        "lr": cfg.lr,
-        "batch_size": cfg.batch_size,
-        "init_std": cfg.init_std,
-        "objective": history,
-    }
+        return post
+
+    post, prior, selection = choose_prior_precision(
+        cfg.prior_precision, cfg.select, cfg.select_by, default, run, val, grid
+    )
+    post.meta["prior"] = prior
+    post.meta["selection"] = selection
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
 
-def fit_bbb(
-    model: LoadedModel,
-    train: ArrayData,
-    val: ArrayData | None,
-    cfg: BBBConfig,
-    device: torch.device,
-    batch_size: int = 256,
-) -> BBBPosterior:
-    """BBB post hoc: the means start at the checkpoint's weights, ``σ`` at ``cfg.init_std``."""
-    post = _fit(model.classifier, train, val, cfg, device, batch_size)
+def fit(source: FitSource, settings: BBBConfig) -> BBBPosterior:
+    """BBB post hoc: the means start at the checkpoint's weights, ``σ`` at ``settings.init_std``.
+
+    δ: ``settings.prior_precision`` if given; else, with validation data (``source.val``) and
+    ``select`` not ``False``, the best of ``δ_0 · 10^i``, ``i = −2 … 2`` (extended past an edge
+    minimum) by ``select_by`` on the validation BNN predictive, ``δ_0`` the all-layer diagonal
+    Laplace marginal-likelihood optimum at the checkpoint; else ``δ_0``. ``meta["selection"]``
+    records which.
+    """
+    require_validation(settings.select, source.val is not None)
+    clf = source.classifier
+    val = None
+    if selects(settings.prior_precision, settings.select, source.val is not None):
+        map_probs = source.val_features().logits.softmax(-1).cpu()
+        val = validation(clf, source.val, settings.samples, settings.select_by, source.batch_size, map_probs)
+
+    def default() -> Default:
+        clf.cpu().eval()
+        batches = list(source.data.batches(source.batch_size))
+        delta = fit_laplace(clf, batches=batches, subset=Subset.ALL, structure="diag").prior_precision
+        return Default(delta, "laplace-marglik", MARGLIK_RULE)
+
+    post = fit_mean_field(clf, source.data, settings, source.device, default, val)
     post.meta["start"] = "checkpoint"
     return post
-
-
-def train_bbb(
-    model_spec: str, train: ArrayData, val: ArrayData | None, cfg: BBBConfig, device: torch.device
-) -> tuple[Classifier, dict, BBBPosterior]:
-    """BBB from scratch on a builtin network; the returned classifier carries the means."""
-    spec = ModelSpec.parse(model_spec)
-    if spec.kind != "builtin":
-        raise BayescliError(
-            f"train --method bbb trains builtin models ({', '.join(builtin_names())}); got {spec}"
-        )
-    require(train.y is not None, f"{train.spec} has no labels; training needs labelled data")
-    torch.manual_seed(cfg.seed)
-    net = build_network(spec, train.num_classes, train.input_shape, {})
-    mean, std = channel_stats(train)
-    clf = Classifier(net, last_linear_name(net), mean, std)
-    post = _fit(clf, train, val, cfg, device)
-    post.meta["start"] = "scratch"
-    offset = 0
-    with torch.no_grad():
-        for p in clf.net.parameters():
-            p.copy_(post.mean[offset : offset + p.numel()].reshape(p.shape))
-            offset += p.numel()
-    clf.eval()
-    training, loss = {"method": "bbb", **asdict(cfg)}, post.meta["vi"]["objective"]
-    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), (mean, std), training, loss)
-    return clf, meta, post

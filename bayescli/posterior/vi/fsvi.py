@@ -1,39 +1,32 @@
-"""Tractable function-space VI (FSVI, seed 001; ../shared/VI-SPEC.md part B).
+"""Tractable function-space VI (FSVI, seed 001; ../shared/VI-SPEC.md B): settings, posterior, post-hoc fit.
 
 ``q(θ) = N(μ, diag σ²)`` over the head ``W̃ = [W, b] ∈ R^{K×(D+1)}`` (post hoc, ``last-layer``)
-or over every parameter (from scratch, ``all``), trained on
+or over every parameter (from scratch, ``all``: :mod:`bayescli.training.fsvi`), trained on
 
     ℓ = (1/B) Σ_b E_q[−log softmax(f(x_b))_{y_b}] + KL(q_f(X_C) ‖ p_f(X_C)) / N
 
-with the KL between the distributions over logits at ``C`` context points ``X_C`` (τ = 1,
-FSVI-code scaling). With a linear head the logits are linear in the head's weights, so per
-class ``k`` and for features ``Φ̃_C = [Φ_C, 1]`` ``[C, D+1]``:
+with the KL between the distributions over logits at ``C`` context points ``X_C`` drawn from
+``p_Xc`` (:mod:`.fsvi_context`; τ = 1, FSVI-code scaling), in closed form
+(:mod:`.fsvi_objective`). Post hoc the prior is ``W̃ ~ N(0, σ_p² I)`` on the frozen features
+(nothing is linearised); from scratch it is the network linearised about a fixed random
+initialisation ``θ0`` (VI-SPEC B6.1).
 
-    q: N(Φ̃_C m̃_k, Φ̃_C diag(s̃_k) Φ̃_Cᵀ + jI),   p: N(μ_p,k, σ_p² Φ̃_p Φ̃_pᵀ + jI),
+Prior scale: ``σ_p² = c / mean_x ‖φ̃(x)‖²`` over the training inputs, so the prior logit variance
+at a typical input is ``c`` whatever the feature norms (VI-SPEC B6.7); ``c`` is ``prior_scale``.
+Its principled default is the paper-style setting that VI-SPEC B3/B4 recommend, a prior logit
+variance of one at a typical training input post hoc (``c = 1``; FSVI-code's ``prior_var`` 1 on
+FMNIST) and ``c = 300`` from scratch (see ``MODE_DEFAULTS``).
 
-independent across classes (mean field), and the KL is a sum of ``K`` C-dimensional Gaussian
-KLs, computed in closed form in float64 (:func:`function_kl`). Post hoc ``Φ̃_p = Φ̃_C`` (frozen
-features) and ``μ_p = 0`` (prior ``W̃ ~ N(0, σ_p² I)``): nothing is linearised. From scratch the
-features are those of one sampled feature network (R = 1, [001:(14)]) and the prior is the
-same network linearised about a fixed random initialisation ``θ0`` (VI-SPEC B6.1): ``Φ̃_p``
-and ``μ_p`` are ``θ0``'s features and logits.
-
-Prior scale: ``σ_p² = c / mean_x ‖φ̃(x)‖²`` over the training inputs, so the prior logit
-variance at a typical input is ``c`` whatever the feature norms (VI-SPEC B6.7); ``c`` is
-``prior_scale`` (default 1 post hoc, 300 from scratch) or, with ``select``, the grid value of lowest
-validation NLL.
-
-Jitter: ``j = 1e-6 · mean diag(K_p)`` is added to *both* kernels. Sharing it makes directions
-that neither kernel reaches (collinear monochrome features, ``C > D+1``) contribute
-``ρ − 1 − ln ρ ≈ 0`` instead of a spurious term (VI-SPEC B6.6).
-
-Cost per step (post hoc, ``K`` classes, ``D`` features): one ``C × C`` Cholesky of ``K_p``;
-traces for all classes through ``G_d = φ̃_dᵀ K_p⁻¹ φ̃_d`` (``K·D``); Mahalanobis terms through
-``L_p⁻¹ Φ̃_C M̃ᵀ`` (``C·D·K``); the ``K`` log-determinants from one GEMM of the variances with the
-``C(C+1)/2`` pairwise feature products (``K·D·C²/2``) and a batched Cholesky ``[K, C, C]``, with
-a hand-written backward (``∂ log|K_q,k| / ∂K_q,k = K_q,k⁻¹``). With ``kl_classes < K`` the
-log-determinants of a random subset of ``kl_classes`` classes are scaled by ``K / kl_classes``
-each step (unbiased for the KL and its gradient; traces and Mahalanobis terms stay exact).
+Held-out selection (post hoc): with validation data and ``prior_scale`` unset, ``c`` is chosen on
+the validation ``select_by`` score of the MC predictive over ``PRIOR_SCALE_GRID`` (half-decades
+around ``c = 1``). Unlike Laplace's prior precision, ``c`` has no limit in which this posterior
+becomes MAP: the prior is centred at zero, so ``c → 0`` pulls the logits at the context points to
+zero (the uniform predictive) and ``c → ∞`` leaves only the flat-prior posterior, whose variances
+grow without bound on a confidently fitted net (measured, digits small-cnn: validation NLL 0.22 at
+``c = 10⁸`` vs MAP's 0.045). The MAP end of the candidate set is therefore the variance → 0 limit
+of ``q`` about the MAP head — the point mass at MAP, which this module returns (``var = 0``,
+``selection.map_fallback``) when no grid value scores better than MAP on validation, so a selected
+posterior is never worse than MAP there (gap 0).
 
 Predictives: last layer — the exact logit Gaussian ``N(M̃ φ̃, diag(s̃_k·φ̃²))`` (``exact``); all
 layers — the GLM Gaussian ``N(f(x; μ), J diag(σ²) Jᵀ)`` (an approximation of the paper's BNN
@@ -42,34 +35,31 @@ predictive, which :meth:`FSVIPosterior.sample_logits` draws).
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from bayescli.data import ArrayData, load_data
+from bayescli.data import ArrayData, Data
 from bayescli.errors import BayescliError, require
-from bayescli.features import extract_features
-from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.fit_source import FitSource
+from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import head_parameters
-from bayescli.preprocess import Preprocess
+from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, unvalidated
+from bayescli.posterior.vi.fsvi_context import CONTEXT_KINDS, ContextSampler
+from bayescli.posterior.vi.fsvi_objective import expected_nll, function_kl, head_moments, mc_probs
 from bayescli.progress import track
-from bayescli.train import channel_stats, checkpoint_metadata
 
-JITTER = 1e-6  # relative to mean diag(K_p) (FSVI-code uses an absolute 1e-6; VI-SPEC B6.6)
-# What 0 means for these FSVIConfig fields, per mode.
+# What 0 (unset, for prior_scale) means for these FSVIConfig fields, per mode.
 # prior_scale: from scratch the context includes training points whose logits must reach ±10, so
 #   the prior needs std ≳ 10 there: small-cnn on MNIST test[:5000], 10 epochs, c = 30 / 100 / 300 /
 #   1000 gave accuracy .978 / .983 / .986 / .982 and ECE .127 / .074 / .054 / .052 on
@@ -84,32 +74,36 @@ MODE_DEFAULTS = {
     Subset.LAST_LAYER: {"prior_scale": 1.0, "batch_size": 512, "lr": 1e-2},
     Subset.ALL: {"prior_scale": 300.0, "batch_size": 128, "lr": 3e-3, "head_var_init": 1e-3},
 }
-PRIOR_SCALE_GRID = {Subset.LAST_LAYER: (0.5, 1.0, 4.0), Subset.ALL: (100.0, 300.0, 1000.0)}
-VAL_SAMPLES = 100  # MC draws of the logit Gaussian for the validation NLL of select
-PRIOR_NORM_ROWS = 2048  # training inputs that set mean ‖φ̃‖² from scratch
-AUG_MAX_ROTATION = 180.0  # degrees; augment context: any rotation ...
-AUG_MAX_SHIFT = 0.25  # ... a shift of up to a quarter of the side, and a horizontal flip (p = ½)
+# Post hoc: half-decades over 0.1 … 1000 around c = 1 (digits small-cnn, 10 epochs: validation NLL
+# .23 / .098 / .076 / .089 at c = 0.1 / 1 / 10 / 100, minimum near 10); an edge minimum extends it.
+# From scratch each value trains a network, so only the three values around 300 (no extension).
+PRIOR_SCALE_GRID = {
+    Subset.LAST_LAYER: tuple(log_grid(1.0, -2, 6, step=10**0.5)),
+    Subset.ALL: (100.0, 300.0, 1000.0),
+}
+VAL_SAMPLES = 100  # MC draws of the logit Gaussian per validation input for selection
 JACOBIAN_ELEMENTS = 2**25  # Jacobian entries per chunk of the GLM predictive (128 MiB float32)
 
 
 @dataclass
 class FSVIConfig:
-    """FSVI hyperparameters (VI-SPEC B3/B4; field names are the CLI's option names).
+    """FSVI hyperparameters (VI-SPEC B3/B4), validated on construction.
 
     * ``prior_scale``: ``c`` in ``σ_p² = c / mean‖φ̃‖²`` — the prior logit variance at a typical
       training input (post hoc: pretrained features; from scratch: the random-init features);
-      ``0`` = the mode's default, 1 post hoc and 300 from scratch (``MODE_DEFAULTS``).
+      ``None`` = chosen on validation data post hoc when it is given (see ``select``), otherwise
+      the mode's default, 1 post hoc and 300 from scratch (``MODE_DEFAULTS``).
     * ``context``: context distribution ``p_Xc`` — ``monochrome`` (seed App. D.8: each channel
       filled with one pixel value drawn from that channel's pooled training pixels; flat inputs:
       uniform within the training range per dimension), ``augment`` (training images randomly
-      flipped, shifted and rotated) or any data spec (e.g. ``kmnist:train``), read from
-      ``context_root`` with the model's preprocessing.
+      flipped, shifted and rotated) or a :class:`~bayescli.data.Data` set in the fitting data's
+      pixel space (post hoc: loaded with the model's preprocessing). A data spec string
+      (e.g. ``kmnist:train``) is for the caller to load: :meth:`data_specs` lists it.
     * ``context_points``: ``C`` context draws per step (FSVI-code: 32).
     * ``batch_context_points``: points of the current batch added to the context set (from
       scratch only, VI-SPEC B1: ``C_b = 32``); post hoc the context is ``p_Xc`` alone.
     * ``context_pool``: inputs drawn once from ``p_Xc`` whose features serve as the post-hoc
-      context pool; also the rows kept of a data-spec context.
-    * ``context_root``: data root for a data-spec ``context``.
+      context pool; also the rows kept (seeded) of a larger data ``context``.
     * ``samples``: MC draws of the logits for the expected log-likelihood (local
       reparameterisation of the head, exact in distribution for a linear head).
     * ``head_var_init``: initial head variances — ``0``: post hoc the diagonal-GGN Laplace
@@ -119,20 +113,23 @@ class FSVIConfig:
     * ``feature_logvar_init``: initial log-variance of feature parameters (FSVI-code: −20).
     * ``kl_classes``: classes whose log-determinant enters the KL per step (a random subset,
       scaled to be unbiased); ``0`` or ``≥ K`` = all classes (default 64: exact up to K = 64).
-    * ``subset``: ``last-layer`` (post hoc) or ``all`` (from scratch, :func:`train_fsvi`).
+    * ``subset``: ``last-layer`` (post hoc) or ``all`` (from scratch, :mod:`bayescli.training.fsvi`).
     * ``epochs``; ``lr`` (Adam, cosine decay to 0 post hoc / one-cycle from scratch as in
-      :func:`bayescli.train.train_classifier`; ``0``: 1e-2 post hoc, 3e-3 from scratch);
+      :func:`bayescli.training.classifier.train_classifier`; ``0``: 1e-2 post hoc, 3e-3 from scratch);
       ``batch_size`` (``0``: 512 post hoc, 128 from scratch); ``seed``.
-    * ``select``: choose ``prior_scale`` from ``PRIOR_SCALE_GRID`` on validation NLL (post hoc the
-      MC predictive of the exact head Gaussian; from scratch that of the head marginal).
+    * ``select``: choose ``prior_scale`` on validation data. ``None``: post hoc whenever
+      validation data is given and ``prior_scale`` is unset, from scratch never (each value
+      trains a network); ``True``: always (validation data required); ``False``: never.
+    * ``select_by``: the validation score selection minimises (``nll``, ``ece`` or ``brier``) of
+      the MC predictive (``VAL_SAMPLES`` draws of the logit Gaussian; from scratch that of the
+      head marginal).
     """
 
-    prior_scale: float = 0.0
-    context: str = "monochrome"
+    prior_scale: float | None = None
+    context: str | Data = "monochrome"
     context_points: int = 32
     batch_context_points: int = 32
     context_pool: int = 2048
-    context_root: str = "data"
     samples: int = 8
     head_var_init: float = 0.0
     feature_logvar_init: float = -20.0
@@ -142,262 +139,76 @@ class FSVIConfig:
     lr: float = 0.0
     batch_size: int = 0
     seed: int = 0
-    select: bool = False
+    select: bool | None = None
+    select_by: Criterion = Criterion.NLL
 
-    def check(self) -> None:
-        """Raise :class:`BayescliError` for values no fit can use."""
-        require(self.prior_scale >= 0, f"--prior-scale must be ≥ 0 (0 = default), got {self.prior_scale}")
-        require(self.context_points >= 1, f"--context-points must be ≥ 1, got {self.context_points}")
-        require(self.batch_context_points >= 0, "--batch-context-points must be ≥ 0")
-        require(self.context_pool >= 1, f"--context-pool must be ≥ 1, got {self.context_pool}")
-        require(self.samples >= 1, f"--samples must be ≥ 1, got {self.samples}")
-        require(self.head_var_init >= 0, f"--head-var-init must be ≥ 0, got {self.head_var_init}")
-        require(self.kl_classes >= 0, f"--kl-classes must be ≥ 0, got {self.kl_classes}")
-        require(self.epochs >= 1, f"--epochs must be ≥ 1, got {self.epochs}")
-        require(self.lr >= 0, f"--lr must be ≥ 0 (0 = default), got {self.lr}")
-        require(self.batch_size >= 0, f"--batch-size must be ≥ 0 (0 = default), got {self.batch_size}")
+    def __post_init__(self) -> None:
+        require(
+            self.prior_scale is None or self.prior_scale > 0,
+            f"prior_scale must be > 0 (None: choose it), got {self.prior_scale}",
+        )
+        require(
+            not (self.select and self.prior_scale is not None),
+            "select=True chooses prior_scale on validation data; leave prior_scale unset (None) "
+            "or set select=False to use the value given",
+        )
+        require(self.context_points >= 1, f"context_points must be ≥ 1, got {self.context_points}")
+        require(
+            self.batch_context_points >= 0,
+            f"batch_context_points must be ≥ 0, got {self.batch_context_points}",
+        )
+        require(self.context_pool >= 1, f"context_pool must be ≥ 1, got {self.context_pool}")
+        require(self.samples >= 1, f"samples must be ≥ 1, got {self.samples}")
+        require(self.head_var_init >= 0, f"head_var_init must be ≥ 0, got {self.head_var_init}")
+        require(self.kl_classes >= 0, f"kl_classes must be ≥ 0, got {self.kl_classes}")
+        require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
+        require(self.lr >= 0, f"lr must be ≥ 0 (0 = default), got {self.lr}")
+        require(self.batch_size >= 0, f"batch_size must be ≥ 0 (0 = default), got {self.batch_size}")
         require(
             self.subset in (s.value for s in Subset),
-            f"--subset must be last-layer or all, got '{self.subset}'",
+            f"subset must be last-layer or all, got '{self.subset}'",
         )
+        require(
+            isinstance(self.context, Data | str),
+            f"context must be monochrome, augment, a data spec or Data, got {type(self.context).__name__}",
+        )
+        criteria = [c.value for c in Criterion]
+        require(
+            self.select_by in criteria,
+            f"select_by must be {', '.join(criteria[:-1])} or {criteria[-1]}, got '{self.select_by}'",
+        )
+        self.select_by = Criterion(self.select_by)
 
-    def resolve(self, subset: Subset) -> FSVIConfig:
-        """A checked copy with every ``0`` meaning "default" replaced by ``subset``'s default."""
-        self.check()
-        defaults = {k: v for k, v in MODE_DEFAULTS[subset].items() if not getattr(self, k)}
-        return replace(self, **defaults)
+    def data_specs(self) -> dict[str, str]:
+        """``{field: spec}`` for the fields holding a data spec the caller must load (``context``
+        unless it is ``monochrome``, ``augment`` or already :class:`~bayescli.data.Data`)."""
+        if isinstance(self.context, str) and self.context not in CONTEXT_KINDS:
+            return {"context": self.context}
+        return {}
 
+    def with_defaults(self, subset: Subset) -> FSVIConfig:
+        """A copy for ``subset`` with every ``0`` meaning "default" replaced by the mode's default
+        (``prior_scale`` stays as given: ``None`` is resolved by the fit, see :meth:`default_prior_scale`)."""
+        defaults = {
+            k: v for k, v in MODE_DEFAULTS[subset].items() if k != "prior_scale" and not getattr(self, k)
+        }
+        return replace(self, subset=subset.value, **defaults)
 
-# ---------------------------------------------------------------------------------------------
-# the function-space KL
-# ---------------------------------------------------------------------------------------------
+    @property
+    def default_prior_scale(self) -> float:
+        """The principled ``c`` of this ``subset`` (used without validation data)."""
+        return MODE_DEFAULTS[Subset(self.subset)]["prior_scale"]
 
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run batched small LAPACK calls on one thread (CPU).
-
-    Measured with torch 2.14 on 2 busy cores: a batched ``solve_triangular`` / ``inv`` /
-    ``cholesky_inverse`` of 256 matrices 64 × 64 takes ≈ 3–6 s with 2 threads and 0.01 s with 1
-    (nested threading stalls); switching the count costs nothing measurable.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-class _GramLogDet(torch.autograd.Function):
-    """``log|Φ̃ diag(s_k) Φ̃ᵀ + jI|`` for every row ``s_k`` of ``s [K, D']`` → ``[K]``.
-
-    The Gram matrices come from one GEMM with the pairwise products ``pairs [T, D']``
-    (``pairs[t] = φ̃_a ⊙ φ̃_b`` over the ``T = C(C+1)/2`` pairs ``a ≤ b``); the backward uses
-    ``∂ log|K| / ∂K = K⁻¹`` from the saved Cholesky factors, which is cheaper than
-    differentiating through the factorisation.
-    """
-
-    @staticmethod
-    def forward(ctx, s, pairs, jitter, rows, cols, size):  # noqa: ANN001, ANN205 (autograd API)
-        gram = s.new_zeros(s.shape[0], size, size)
-        tri = s @ pairs.T  # [K, T]
-        gram[:, rows, cols] = tri
-        gram[:, cols, rows] = tri
-        gram.diagonal(dim1=1, dim2=2).add_(jitter)
-        with _one_thread():
-            chol, info = torch.linalg.cholesky_ex(gram)
-        if bool((info != 0).any()):
-            raise BayescliError(
-                "the variational kernel on the context points is not positive definite; "
-                "lower --lr or --head-var-init"
-            )
-        ctx.save_for_backward(s, pairs, chol, rows, cols)
-        return 2 * chol.diagonal(dim1=1, dim2=2).log().sum(1)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        s, pairs, chol, rows, cols = ctx.saved_tensors
-        eye = torch.eye(chol.shape[1], dtype=chol.dtype, device=chol.device).expand_as(chol)
-        with _one_thread():
-            half = torch.linalg.solve_triangular(chol, eye, upper=False)
-        inv = half.transpose(1, 2) @ half  # K⁻¹ = L⁻ᵀL⁻¹  [K, C, C]
-        # d log|K| / d tri[a,b] = K⁻¹_ab + K⁻¹_ba = 2 K⁻¹_ab off the diagonal, K⁻¹_aa on it.
-        weight = inv[:, rows, cols] * torch.where(rows == cols, 1.0, 2.0).to(inv.dtype)
-        weight = weight * grad[:, None]
-        grad_s = weight @ pairs if ctx.needs_input_grad[0] else None
-        grad_pairs = weight.T @ s if ctx.needs_input_grad[1] else None
-        return grad_s, grad_pairs, None, None, None, None
-
-
-def function_kl(
-    feat_q: torch.Tensor,
-    mean_q: torch.Tensor,
-    var_q: torch.Tensor,
-    prior_var: float,
-    feat_p: torch.Tensor | None = None,
-    mean_p: torch.Tensor | None = None,
-    jitter: float = JITTER,
-    classes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``Σ_k KL(N(mean_q[:,k], Φ̃_q diag(var_q[k]) Φ̃_qᵀ + jI) ‖ N(mean_p[:,k], σ_p² Φ̃_p Φ̃_pᵀ + jI))``.
-
-    ``feat_q [C, D']`` are q's context features (with a column of ones when the head has a bias,
-    its variance the last column of ``var_q [K, D']``), ``mean_q [C, K]`` q's mean logits,
-    ``feat_p [C, D']`` the prior's features (default ``feat_q``), ``mean_p [C, K]`` its mean
-    logits (default 0), ``prior_var`` ``σ_p²``. ``j = jitter · mean diag(σ_p² Φ̃_p Φ̃_pᵀ)`` in both
-    kernels. ``classes`` (indices) restricts the log-determinants of q to those classes, scaled
-    by ``K / len(classes)``. The ``C × C`` algebra runs in ``feat_q``'s dtype (pass float64);
-    ``mean_q``/``var_q`` may be float32 parameters. Returns a scalar.
-    """
-    c, k = mean_q.shape
-    if feat_p is None and mean_p is None and c > feat_q.shape[1]:
-        # More points than feature columns: both Gaussians live on range(Φ̃) (rank ≤ D'). With
-        # Φ̃ = QR the KL on that subspace is the KL of the coordinates Qᵀf — exact and smaller.
-        basis, feat_q = torch.linalg.qr(feat_q)
-        mean_q = basis.T @ mean_q.to(basis.dtype)
-        c = feat_q.shape[0]
-    fp = feat_q if feat_p is None else feat_p
-    kp = prior_var * (fp @ fp.T)
-    jit = (jitter * kp.diagonal().mean()).detach().clamp_min(torch.finfo(kp.dtype).tiny)
-    eye = torch.eye(c, dtype=kp.dtype, device=kp.device)
-    chol, info = torch.linalg.cholesky_ex(kp + jit * eye)
-    if int(info) != 0:
-        raise BayescliError("the prior kernel on the context points is singular; use another --context")
-    solve = torch.linalg.solve_triangular
-    g = solve(chol, feat_q, upper=False).square().sum(0)  # G_d = φ̃_dᵀ K_p⁻¹ φ̃_d  [D']
-    # Contractions with the [K, D'] variances run in their dtype (a sum of positive terms).
-    trace = (var_q @ g.to(var_q.dtype)).sum().to(kp.dtype)
-    trace = trace + k * jit * solve(chol, eye, upper=False).square().sum()
-    delta = mean_q.to(kp.dtype) if mean_p is None else mean_q.to(kp.dtype) - mean_p.to(kp.dtype)
-    maha = solve(chol, delta, upper=False).square().sum()
-    logdet_p = 2 * chol.diagonal().log().sum()
-    rows, cols = torch.triu_indices(c, c, device=feat_q.device)
-    pairs = feat_q[rows] * feat_q[cols]  # [C(C+1)/2, D']
-    var_rows = (var_q if classes is None else var_q[classes]).to(kp.dtype)
-    logdet_q = _GramLogDet.apply(var_rows, pairs, jit, rows, cols, c).sum() * (k / var_rows.shape[0])
-    return 0.5 * (trace + maha - k * c + k * logdet_p - logdet_q)
-
-
-def expected_nll(
-    mean: torch.Tensor, var: torch.Tensor, labels: torch.Tensor, samples: int, generator: torch.Generator
-) -> torch.Tensor:
-    """``(1/B) Σ_b E_{z ~ N(mean_b, diag var_b)}[−log softmax(z)_{y_b}]`` by ``samples`` draws.
-
-    ``mean``/``var`` ``[B, K]``: the logit moments of a mean-field linear head (local
-    reparameterisation: the logits' own distribution, sampled instead of the weights).
-    """
-    eps = torch.randn((samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device)
-    logits = mean + var.sqrt() * eps
-    return F.cross_entropy(logits.reshape(-1, mean.shape[1]), labels.repeat(samples))
-
-
-def _head_moments(phi: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, bias: bool) -> tuple:
-    """Logit mean and variance ``([N, K], [N, K])`` of a mean-field head (rows of ``mean``/``var``)."""
-    if not bias:
-        return phi @ mean.T, phi.square() @ var.T
-    return torch.addmm(mean[:, -1], phi, mean[:, :-1].T), torch.addmm(var[:, -1], phi.square(), var[:, :-1].T)
-
-
-def _mc_nll(mean: torch.Tensor, var: torch.Tensor, labels: torch.Tensor, samples: int, seed: int) -> float:
-    """NLL of ``E[softmax(z)]``, ``z ~ N(mean, diag var)``, by ``samples`` seeded draws."""
-    gen = torch.Generator(device=mean.device).manual_seed(seed)
-    total = 0.0
-    for start in range(0, len(mean), 1024):
-        sl = slice(start, start + 1024)
-        eps = torch.randn((samples, *mean[sl].shape), generator=gen, dtype=mean.dtype, device=mean.device)
-        probs = (mean[sl] + var[sl].sqrt() * eps).softmax(-1).mean(0)
-        total -= probs.gather(1, labels[sl, None]).clamp_min(1e-12).log().sum().item()
-    return total / len(mean)
-
-
-# ---------------------------------------------------------------------------------------------
-# context distributions
-# ---------------------------------------------------------------------------------------------
-
-
-def monochrome(data: ArrayData, num: int, generator: torch.Generator) -> torch.Tensor:
-    """``num`` monochrome images ``[num, C, H, W]`` in pixel space (seed App. D.8).
-
-    Channel ``c`` of each image is filled with one value drawn from the pooled pixel values of
-    channel ``c`` over all of ``data`` (a uniform (image, pixel) pair: every image has the same
-    number of pixels). Flat inputs ``[D]``: uniform in ``[min, max]`` of the data per dimension.
-    """
-    if len(data.input_shape) != 3:
-        x = data.inputs(slice(None)).flatten(1)
-        return _uniform_box(x.min(0).values, x.max(0).values, num, data.input_shape, generator)
-    c, h, w = data.input_shape
-    image = torch.randint(len(data), (num, c), generator=generator)
-    pixel = torch.randint(h * w, (num, c), generator=generator)
-    values = data.x.reshape(len(data), c, h * w)[image, torch.arange(c), pixel]
-    values = values.float() / 255.0 if data.x.dtype == torch.uint8 else values.float()
-    return values[:, :, None, None].expand(num, c, h, w).contiguous()
-
-
-def _uniform_box(
-    lo: torch.Tensor, hi: torch.Tensor, num: int, shape: tuple[int, ...], generator: torch.Generator
-) -> torch.Tensor:
-    """``num`` draws ``[num, *shape]`` uniform in the box ``[lo, hi]`` (flat ``[D]`` bounds)."""
-    return (lo + torch.rand(num, len(lo), generator=generator) * (hi - lo)).reshape(num, *shape)
-
-
-def augment_images(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random horizontal flip (p = ½), rotation (±``AUG_MAX_ROTATION``°) and shift (up to
-    ``AUG_MAX_SHIFT`` of the side) of images ``[N, C, H, W]``, bilinear with zero fill."""
-    if x.dim() != 4:
-        raise BayescliError(f"--context augment needs image inputs [C, H, W], got {list(x.shape[1:])}")
-    n = len(x)
-    flip = torch.rand(n, generator=generator) < 0.5
-    x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-    angle = (2 * torch.rand(n, generator=generator) - 1) * math.radians(AUG_MAX_ROTATION)
-    shift = (2 * torch.rand(n, 2, generator=generator) - 1) * 2 * AUG_MAX_SHIFT  # grid spans [−1, 1]
-    cos, sin = angle.cos(), angle.sin()
-    theta = torch.stack(
-        [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
-    )
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-
-
-class ContextSampler:
-    """Draws context inputs in pixel space ``[n, *input_shape]`` from ``p_Xc`` (see FSVIConfig)."""
-
-    def __init__(
-        self, cfg: FSVIConfig, train: ArrayData, preprocess: Preprocess | None, generator: torch.Generator
-    ) -> None:
-        self.kind, self.train = cfg.context, train
-        self.pool: ArrayData | None = None
-        self.box: tuple[torch.Tensor, torch.Tensor] | None = None
-        if cfg.context == "monochrome" and len(train.input_shape) != 3:
-            x = train.inputs(slice(None)).flatten(1)  # flat inputs: the training range, found once
-            self.box = x.min(0).values, x.max(0).values
-        elif cfg.context == "augment":
-            require(len(train.input_shape) == 3, "--context augment needs image inputs [C, H, W]")
-        elif cfg.context != "monochrome":
-            pool = load_data(cfg.context, cfg.context_root, limit=cfg.context_pool, seed=cfg.seed,
-                             preprocess=preprocess)  # fmt: skip
-            if pool.input_shape != train.input_shape:
-                raise BayescliError(
-                    f"context {cfg.context} has inputs of shape {list(pool.input_shape)} but the training "
-                    f"data {list(train.input_shape)}; use a context set of the same shape"
-                )
-            self.pool = pool
-        self.generator = generator
-
-    def __call__(self, num: int) -> torch.Tensor:
-        gen = self.generator
-        if self.box is not None:
-            return _uniform_box(*self.box, num, self.train.input_shape, gen)
-        if self.kind == "monochrome":
-            return monochrome(self.train, num, gen)
-        source = self.pool if self.pool is not None else self.train
-        x = source.inputs(torch.randint(len(source), (num,), generator=gen))
-        return augment_images(x, gen) if self.kind == "augment" else x
-
-
-# ---------------------------------------------------------------------------------------------
-# the posterior
-# ---------------------------------------------------------------------------------------------
+    def hyperparameters(self, prior_scale: float) -> dict[str, Any]:
+        """The values a fit used, for the posterior file (``context`` as its spec)."""
+        used: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        context = self.context
+        used |= {
+            "prior_scale": prior_scale,
+            "context": context if isinstance(context, str) else context.spec,
+            "select_by": self.select_by.value,
+        }
+        return used
 
 
 @dataclass
@@ -435,7 +246,7 @@ class FSVIPosterior(Posterior):
         d = self.mean.shape[1] - int(self.head_bias)
         if phi.dim() != 2 or phi.shape[1] != d:
             raise BayescliError(f"features of shape {list(phi.shape)} do not fit a head with {d} inputs")
-        mean, var = _head_moments(phi.to(self.mean.dtype), self.mean, self.var, self.head_bias)
+        mean, var = head_moments(phi.to(self.mean.dtype), self.mean, self.var, self.head_bias)
         return LogitGaussian(mean, var, exact=True)
 
     def _check_network(self, classifier: Classifier) -> None:
@@ -449,7 +260,7 @@ class FSVIPosterior(Posterior):
         """GLM logits ``N(f(x; μ), J diag(σ²) Jᵀ)`` for pixel-space ``x [N, ...]`` (``all`` only).
 
         ``classifier`` must carry the posterior means as its weights (the checkpoint that
-        :func:`train_fsvi` wrote); its Jacobians are taken in chunks of inputs.
+        :func:`bayescli.training.fsvi.train` wrote); its Jacobians are taken in chunks of inputs.
         """
         if self.subset is Subset.LAST_LAYER:
             raise BayescliError("this FSVI posterior covers the last layer; predict from features")
@@ -658,297 +469,132 @@ def fit_last_layer(
     val_labels: torch.Tensor | None = None,
 ) -> FSVIPosterior:
     """Post-hoc FSVI on frozen features: ``phi [N, D]`` with ``labels [N]``, a context pool
-    ``context_phi [M, D]``, the MAP ``head`` as the initial mean; validation features for
-    ``cfg.select``. Runs on ``phi``'s device and dtype."""
-    cfg = cfg.resolve(Subset.LAST_LAYER)
+    ``context_phi [M, D]``, the MAP ``head`` as the initial mean. With validation features
+    ``val_phi [V, D]``, ``val_labels [V]`` and ``prior_scale`` unset (and ``select`` not False),
+    ``prior_scale`` is chosen on them (see the module docstring); ``post.meta["selection"]``
+    records how it was set. Runs on ``phi``'s device and dtype."""
+    cfg = cfg.with_defaults(Subset.LAST_LAYER)
     start = time.perf_counter()
     k = head.out_features
     _check_fit_data(phi, labels, k, "fitting")
     if len(context_phi) == 0 or not torch.isfinite(context_phi).all():
-        raise BayescliError("the context features are empty or not finite; check --context")
+        raise BayescliError("the context features are empty or not finite; check context")
+    has_val = val_phi is not None and val_labels is not None
+    require(
+        has_val or not cfg.select,
+        "select=True chooses prior_scale on validation data: give labelled validation data (`val`)",
+    )
     bias = head.bias is not None
     init = head_parameters(head).to(phi.device)
     norm = float((augment(phi) if bias else phi).double().square().sum(1).mean())
-    require(norm > 0, "the fitting features are all zero; check the checkpoint and --head")
-    grid = PRIOR_SCALE_GRID[Subset.LAST_LAYER]
-    scales = grid if cfg.select else (cfg.prior_scale,)
-    if cfg.select:
-        if val_phi is None or val_labels is None:
-            raise BayescliError("--select needs labelled validation data (--val-data)")
+    require(norm > 0, "the fitting features are all zero; check the checkpoint and the head")
+    context = context_phi.to(phi)
+
+    def fitted(c: float) -> FSVIPosterior:
+        mean, var, curve = _fit_head(phi, labels, init, context, c / norm, bias, cfg)
+        post = FSVIPosterior(
+            mean.cpu(), var.cpu(), Subset.LAST_LAYER, bias, c / norm, c, cfg.hyperparameters(c)
+        )
+        post.meta["training_curve"] = curve
+        return post
+
+    if has_val and cfg.prior_scale is None and cfg.select is not False:
         _check_fit_data(val_phi, val_labels, k, "validation")
-    best, selection = None, []
-    for c in scales:
-        mean, var, curve = _fit_head(phi, labels, init, context_phi.to(phi), c / norm, bias, cfg)
-        score = None
-        if cfg.select:
-            mu, v = _head_moments(val_phi.to(mean), mean, var, bias)
-            score = _mc_nll(mu, v, val_labels.to(mean.device), VAL_SAMPLES, cfg.seed)
-            selection.append({"prior_scale": c, "val_nll": score})
-        if best is None or (score is not None and score < best[0]):
-            best = (score, c, mean, var, curve)
-    _, c, mean, var, curve = best
-    used = asdict(replace(cfg, prior_scale=c))
-    post = FSVIPosterior(mean.cpu(), var.cpu(), Subset.LAST_LAYER, bias, c / norm, c, used)
+        val_phi, val_labels = val_phi.to(phi), val_labels.to(phi.device)
+
+        def candidate(c: float) -> tuple[FSVIPosterior, torch.Tensor]:
+            post = fitted(c)
+            mu, v = head_moments(val_phi, post.mean.to(phi), post.var.to(phi), bias)
+            return post, mc_probs(mu, v, VAL_SAMPLES, cfg.seed)
+
+        map_probs = head(val_phi.to(head.weight.dtype)).detach().softmax(-1)
+        post, sel = select_on_grid(
+            "prior_scale",
+            list(PRIOR_SCALE_GRID[Subset.LAST_LAYER]),
+            candidate,
+            val_labels,
+            cfg.select_by,
+            map_probs=map_probs,
+            principled=cfg.default_prior_scale,
+        )
+        record = sel.record()
+        best = min(row[cfg.select_by.value] for row in sel.curve)
+        if best > sel.map_scores[cfg.select_by.value]:
+            # No fitted prior scale beats MAP: return MAP itself, the end of the candidate set.
+            point = init.to(phi.dtype).cpu()
+            post = FSVIPosterior(
+                point, torch.zeros_like(point), Subset.LAST_LAYER, bias, post.prior_var, post.prior_scale,
+                post.hyperparameters,
+            )  # fmt: skip
+            by, lo, hi = cfg.select_by.value, sel.curve[0]["prior_scale"], sel.curve[-1]["prior_scale"]
+            fallback = (
+                f"no prior_scale in {lo:.3g}–{hi:.3g} improves on MAP's validation {by} "
+                f"({sel.map_scores[by]:.4g} vs best {best:.4g}): the posterior is the point mass at the "
+                "MAP head (zero variances)"
+            )
+            earlier = record.get("warning")
+            record |= {"map_fallback": True, "warning": f"{earlier}; {fallback}" if earlier else fallback}
+        post.meta["selection"] = record
+    else:
+        c = cfg.default_prior_scale if cfg.prior_scale is None else cfg.prior_scale
+        post = fitted(c)
+        if cfg.prior_scale is not None:
+            post.meta["selection"] = unvalidated("prior_scale", c, "given explicitly", fixed=True)
+        else:
+            why = "select=False" if cfg.select is False else "no validation data"
+            post.meta["selection"] = unvalidated(
+                "prior_scale",
+                c,
+                f"the principled default ({why}): c = {c:g}, a prior logit variance of {c:g} at a "
+                "typical training input (VI-SPEC B4, FSVI-code prior_var 1)",
+            )
     post.meta |= {
         "fit_seconds": time.perf_counter() - start,
         "n_data": len(phi),
         "feature_norm_sq": norm,
         "context_pool": len(context_phi),
-        "training_curve": curve,
     }
-    if cfg.select:
-        post.meta["selection"] = {"grid": list(grid), "curve": selection, "criterion": "val_nll"}
     return post
 
 
-def fit_fsvi(
-    model: LoadedModel,
-    train: ArrayData,
-    val: ArrayData | None,
-    cfg: FSVIConfig,
-    device: torch.device,
-    batch_size: int = 256,
-) -> FSVIPosterior:
-    """Post-hoc last-layer FSVI on a pretrained checkpoint (``cfg.subset == "last-layer"``).
+def fit(source: FitSource, settings: FSVIConfig) -> FSVIPosterior:
+    """Post-hoc last-layer FSVI on ``source``'s pretrained classifier (``subset == "last-layer"``).
 
-    Extracts features of ``train``, ``val`` (for ``select``) and ``context_pool`` context
-    inputs drawn once from ``cfg.context`` (all through the same backbone), then fits the head.
+    The fitting set's features, those of ``context_pool`` context inputs drawn once from
+    ``settings.context`` and, for selection, the validation set's all come from ``source``
+    (one backbone pass per set, shared with other methods fitted on it); then the head is fitted
+    by :func:`fit_last_layer`. A data ``context`` must arrive as :class:`~bayescli.data.Data`
+    (see :meth:`FSVIConfig.data_specs`).
     """
-    cfg.check()
-    if Subset(cfg.subset) is not Subset.LAST_LAYER:
+    if Subset(settings.subset) is not Subset.LAST_LAYER:
         raise BayescliError(
-            "post-hoc FSVI fits the last layer; train all layers with `bayescli train --method fsvi`"
+            "post-hoc FSVI fits the last layer (subset last-layer); train all layers from scratch "
+            "with bayescli.training.fsvi.train"
         )
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    feats = extract_features(model, train, batch_size, device)
-    sampler = ContextSampler(cfg, train, model.preprocess, gen)
+    gen = torch.Generator().manual_seed(settings.seed)
+    feats = source.features()
+    sampler = ContextSampler(settings.context, source.data, gen, settings.context_pool, settings.seed)
+    spec = settings.context if isinstance(settings.context, str) else settings.context.spec
     pool = ArrayData(
-        sampler(cfg.context_pool),
+        sampler(settings.context_pool),
         None,
-        train.class_names,
-        {"spec": f"fsvi-context:{cfg.context}", "n": cfg.context_pool, "seed": cfg.seed},
+        source.data.class_names,
+        {"spec": f"fsvi-context:{spec}", "n": settings.context_pool, "seed": settings.seed},
     )
-    ctx = extract_features(model, pool, batch_size, device)
-    val_feats = extract_features(model, val, batch_size, device) if cfg.select and val is not None else None
-    head = model.classifier.head
+    ctx = source.features(pool)
+    validate = source.val is not None and settings.prior_scale is None and settings.select is not False
+    val = source.val_features() if validate else None
+    device = source.device
     post = fit_last_layer(
         feats.phi.to(device),
-        feats.labels.to(device) if feats.labels is not None else None,
-        head,
+        feats.labels.to(device),
+        source.classifier.head,
         ctx.phi.to(device),
-        cfg,
-        None if val_feats is None else val_feats.phi.to(device),
-        None if val_feats is None else val_feats.labels.to(device),
+        settings,
+        None if val is None else val.phi.to(device),
+        None if val is None else val.labels.to(device),
     )
     post.meta["fit_seconds"] = time.perf_counter() - start
-    post.meta["feature_seconds"] = feats.seconds + ctx.seconds
+    post.meta["feature_seconds"] = feats.seconds + ctx.seconds + (0.0 if val is None else val.seconds)
     return post
-
-
-# ---------------------------------------------------------------------------------------------
-# from scratch: all layers
-# ---------------------------------------------------------------------------------------------
-
-
-class _StopAtHead(Exception):
-    """Raised by a hook once the head's input is known."""
-
-
-def _features(clf: Classifier, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Head input ``φ(x; params)`` ``[N, D]`` for pixel-space ``x`` under substituted parameters."""
-    from torch.func import functional_call
-
-    captured: list[torch.Tensor] = []
-
-    def grab(_module: nn.Module, args: tuple) -> None:
-        captured.append(args[0])
-        raise _StopAtHead
-
-    handle = clf.head.register_forward_pre_hook(grab)
-    try:
-        functional_call(clf.net, params, (clf.normalise(x),))
-    except _StopAtHead:
-        pass
-    finally:
-        handle.remove()
-    return captured[0]
-
-
-class WholeNetQ:
-    """``q = N(μ, diag exp(logvar))`` over every parameter of ``clf`` (``μ`` = its parameters), the
-    prior net ``prior`` (``θ0``, the linearisation point of p) and the head prior ``σ_p²``."""
-
-    def __init__(self, clf: Classifier, prior: Classifier, logvar: dict[str, torch.Tensor], prior_var: float):
-        self.clf, self.prior, self.logvar, self.prior_var = clf, prior, logvar, prior_var
-        self.params = dict(clf.net.named_parameters())
-        self.bias = clf.head.bias is not None
-        head = clf.head_name
-        self.head_names = [f"{head}.weight"] + ([f"{head}.bias"] if self.bias else [])
-
-    def head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head mean and variance ``([K, D'], [K, D'])`` (bias column last)."""
-        mean = [self.params[n].reshape(self.params[n].shape[0], -1) for n in self.head_names]
-        var = [self.logvar[n].exp().reshape(self.params[n].shape[0], -1) for n in self.head_names]
-        return torch.cat(mean, 1), torch.cat(var, 1)
-
-    def features(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Features ``[N, D]`` of ``x`` under one draw of the feature parameters (R = 1)."""
-        sampled = {
-            name: p if name in self.head_names
-            else p + (0.5 * self.logvar[name]).exp() * torch.randn(p.shape, generator=generator).to(p)
-            for name, p in self.params.items()
-        }  # fmt: skip
-        return _features(self.clf, sampled, x)
-
-    def kl(self, h_q: torch.Tensor, x_c: torch.Tensor) -> torch.Tensor:
-        """Function-space KL at context inputs ``x_c`` whose sampled features are ``h_q [C, D]``:
-        q's head Gaussian on ``h_q`` vs the prior net's features and logits (float64)."""
-        with torch.no_grad():
-            h_p = self.prior.features(x_c)
-            m_p = self.prior.head(h_p)
-        m_head, v_head = self.head()
-        f_q = (augment(h_q) if self.bias else h_q).double()
-        f_p = (augment(h_p) if self.bias else h_p).double()
-        return function_kl(f_q, f_q @ m_head.double().T, v_head, self.prior_var, f_p, m_p)
-
-    def terms(
-        self,
-        xb: torch.Tensor,
-        yb: torch.Tensor,
-        x_ctx: torch.Tensor,
-        batch_context: int,
-        samples: int,
-        generator: torch.Generator,
-        noise: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expected NLL of the batch and the KL on ``[xb[:batch_context]; x_ctx]``, both from one
-        feature sample (a joint forward pass)."""
-        nb, b = min(batch_context, len(xb)), len(xb)
-        x_all = torch.cat([xb, x_ctx])
-        h_all = self.features(x_all, generator)
-        m_head, v_head = self.head()
-        mu_b, v_b = _head_moments(h_all[:b], m_head, v_head, self.bias)
-        nll = expected_nll(mu_b, v_b, yb, samples, noise)
-        kl = self.kl(torch.cat([h_all[:nb], h_all[b:]]), torch.cat([x_all[:nb], x_all[b:]]))
-        return nll, kl
-
-
-def _train_all(
-    spec: ModelSpec,
-    train: ArrayData,
-    cfg: FSVIConfig,
-    prior_scale: float,
-    device: torch.device,
-) -> tuple[Classifier, torch.Tensor, float, list[dict]]:
-    """One from-scratch FSVI run; returns the classifier (means), flat variances, σ_p², curve."""
-    began = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    k, n = train.num_classes, len(train)
-    net = build_network(spec, k, train.input_shape, {})
-    mean, std = channel_stats(train)
-    clf = Classifier(net, last_linear_name(net), mean, std).to(device)
-    prior = copy.deepcopy(clf).eval().requires_grad_(False)  # θ0: the linearisation point of p
-    bias = clf.head.bias is not None
-    with torch.no_grad():
-        h0 = prior.features(train.inputs(slice(0, PRIOR_NORM_ROWS)).to(device))
-        prior_var = prior_scale / float((h0.double().square().sum(1) + int(bias)).mean())
-    logvar = {
-        name: torch.full_like(p, cfg.feature_logvar_init).requires_grad_(True)
-        for name, p in clf.net.named_parameters()
-    }
-    q = WholeNetQ(clf, prior, logvar, prior_var)
-    with torch.no_grad():
-        head_logvar = math.log(cfg.head_var_init * prior_var)
-        for name in q.head_names:
-            logvar[name].fill_(head_logvar)
-    opt = torch.optim.Adam([*q.params.values(), *logvar.values()], lr=cfg.lr)
-    steps = math.ceil(n / cfg.batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps, pct_start=0.15
-    )
-    gen = torch.Generator().manual_seed(cfg.seed)  # batches, context draws, weight noise
-    noise = torch.Generator(device=device).manual_seed(cfg.seed)  # logit draws
-    sampler = ContextSampler(cfg, train, None, gen)
-    curve = []
-    for epoch in track(range(cfg.epochs), cfg.epochs, f"training {spec} (FSVI)"):
-        clf.train()
-        perm = torch.randperm(n, generator=gen)
-        sums = {"objective": 0.0, "nll": 0.0, "kl": 0.0}
-        for start in range(0, n, cfg.batch_size):
-            idx = perm[start : start + cfg.batch_size]
-            xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
-            x_ctx = sampler(cfg.context_points).to(device)
-            nll, kl = q.terms(xb, yb, x_ctx, cfg.batch_context_points, cfg.samples, gen, noise)
-            loss = nll + kl.to(nll.dtype) / n
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            for key, value in (("objective", loss), ("nll", nll), ("kl", kl)):
-                sums[key] += value.item() * len(idx) / n
-        curve.append({"epoch": epoch + 1, **sums, "seconds": time.perf_counter() - began})
-    clf.eval()
-    var = torch.cat([logvar[name].detach().exp().reshape(-1) for name in q.params])
-    return clf, var, prior_var, curve
-
-
-def train_fsvi(
-    model_spec: str,
-    train: ArrayData,
-    val: ArrayData | None,
-    cfg: FSVIConfig,
-    device: torch.device,
-) -> tuple[Classifier, dict, FSVIPosterior]:
-    """FSVI from scratch on a builtin net: mean-field over all parameters, one feature sample per
-    step, prior = the net linearised about a fixed random initialisation, context = batch points
-    plus ``p_Xc`` draws. Returns the classifier (means as weights), checkpoint metadata in
-    :func:`bayescli.train.train_classifier`'s format, and the ``all`` posterior."""
-    cfg = replace(cfg, subset=Subset.ALL.value).resolve(Subset.ALL)  # always all layers
-    spec = ModelSpec.parse(model_spec)
-    if spec.kind != "builtin":
-        raise BayescliError(f"FSVI trains builtin models only ({', '.join(builtin_names())}); got {spec}")
-    if train.y is None:
-        raise BayescliError(f"{train.spec} has no labels; training needs labelled data")
-    device = torch.device(device)
-    start = time.perf_counter()
-    grid = PRIOR_SCALE_GRID[Subset.ALL]
-    scales = grid if cfg.select else (cfg.prior_scale,)
-    if cfg.select and (val is None or val.y is None):
-        raise BayescliError("--select needs labelled validation data (--val-data)")
-    best, selection = None, []
-    for c in scales:
-        clf, var, prior_var, curve = _train_all(spec, train, cfg, c, device)
-        score = None
-        if cfg.select:
-            post = _all_posterior(clf, var, prior_var, c, cfg).head_marginal(clf)
-            with torch.no_grad():
-                phi = torch.cat([clf.features(xb.to(device)) for xb, _ in val.batches(512)])
-            mu, v = _head_moments(phi, post.mean.to(phi), post.var.to(phi), post.head_bias)
-            score = _mc_nll(mu, v, val.y.to(device), VAL_SAMPLES, cfg.seed)
-            selection.append({"prior_scale": c, "val_nll": score})
-        if best is None or (score is not None and score < best[0]):
-            best = (score, c, clf, var, prior_var, curve)
-    _, c, clf, var, prior_var, curve = best
-    post = _all_posterior(clf, var, prior_var, c, cfg)
-    post.meta |= {"fit_seconds": time.perf_counter() - start, "n_data": len(train), "training_curve": curve}
-    if cfg.select:
-        post.meta["selection"] = {"grid": list(grid), "curve": selection, "criterion": "val_nll"}
-    clf = clf.cpu()
-    post.mean, post.var = post.mean.cpu(), post.var.cpu()
-    normalisation = (clf.mean.tolist(), clf.std.tolist())
-    training = {"method": "fsvi", **post.hyperparameters}
-    loss = [row["objective"] for row in curve]
-    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), normalisation, training, loss)
-    return clf, meta, post
-
-
-def _all_posterior(
-    clf: Classifier, var: torch.Tensor, prior_var: float, prior_scale: float, cfg: FSVIConfig
-) -> FSVIPosterior:
-    mean = torch.cat([p.detach().reshape(-1) for p in clf.net.parameters()])
-    shapes = [[n, list(p.shape)] for n, p in clf.net.named_parameters()]
-    used = asdict(replace(cfg, prior_scale=prior_scale))
-    return FSVIPosterior(
-        mean, var, Subset.ALL, clf.head.bias is not None, prior_var, prior_scale, used, shapes
-    )

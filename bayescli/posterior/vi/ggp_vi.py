@@ -27,6 +27,11 @@ last-layer kernel, and its softmax likelihood estimates the expected log-likelih
 draws from the global generator (with learned class-mixing weights by default); the exact
 two-class expectation and seeded draws matter for the tests, and prediction from the posterior
 file would need the same formulas as here anyway.
+
+Prior precision ``δ`` (:mod:`~bayescli.posterior.vi.prior_precision`): given, else chosen on
+validation data over a grid around the Laplace marginal-likelihood optimum, else that optimum.
+No ``δ`` recovers MAP: the kernel scales as ``δ⁻¹`` around the prior mean (zero for a last layer),
+so as ``δ → ∞`` the predictive tends to the prior's, not to the network's.
 """
 
 from __future__ import annotations
@@ -39,28 +44,36 @@ from typing import ClassVar
 
 import torch
 
-from bayescli.data import ArrayData
+from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.features import extract_features
-from bayescli.models import Classifier, LoadedModel, ModelSpec
-from bayescli.options import Subset, TrainConfig
+from bayescli.fit_source import FitSource
+from bayescli.models import Classifier
+from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import fit_laplace, head_parameters
-from bayescli.posterior.prior import edge_warning, grid_search
-from bayescli.posterior.vi.glm_vi import (
-    MAX_JACOBIAN_BYTES,
-    SELECT_GRID,
+from bayescli.posterior.selection import Criterion
+from bayescli.posterior.vi.linearised_glm import MAX_JACOBIAN_BYTES
+from bayescli.posterior.vi.network_weights import flat_parameters
+from bayescli.posterior.vi.prior_precision import (
+    MARGLIK_RULE,
+    Default,
+    Grid,
+    Validation,
+    choose_prior_precision,
+    require_validation,
+    select_criterion,
+    selects,
+)
+from bayescli.posterior.vi.setting_values import as_float
+from bayescli.posterior.vi.softmax_expectations import (
     VAL_SAMPLES,
-    _as_float,
     expectation_label,
     expected_log_softmax,
-    flat_parameters,
-    mc_nll,
+    mc_probs,
 )
 from bayescli.progress import track
-from bayescli.train import train_classifier
 
 # Eigenvalues of K(Z, Z) below this fraction of the largest are dropped from the whitening.
 RANK_TOL = 1e-10
@@ -69,16 +82,21 @@ _CHUNK = 2048
 
 @dataclass
 class GGPVIConfig:
-    """Settings of ``--method ggp-vi``.
+    """Settings of GGP VI (``ggp-vi``).
 
     * ``subset``: ``last-layer`` (kernel ``δ⁻¹ φ̃ᵀφ̃'``) or ``all`` (per-class Jacobian kernels).
     * ``inducing_points``: M, a seeded random subset of the fitting data (at most all of it).
-    * ``prior_precision``: δ; ``None`` = the Laplace marginal-likelihood optimum at θ*
-      (Kronecker-factored for the last layer, diagonal for all layers).
+    * ``prior_precision``: δ; ``None`` = chosen on validation data if any (see ``select``), else the
+      Laplace marginal-likelihood optimum at θ* (Kronecker-factored for the last layer, diagonal
+      for all layers).
     * ``epochs``, ``lr``, ``batch_size``: Adam on the minibatch ELBO (cosine schedule).
     * ``samples``: Monte-Carlo draws of the logits per input and step when K > 2 (K = 2 is exact).
     * ``seed``: seeds the inducing points, the minibatches and the draws.
-    * ``select``: pick δ by validation NLL over the GLM VI grid (recorded in ``meta``).
+    * ``select``: choose δ on validation data — ``None`` (default): whenever validation data is
+      given and δ is not; ``True``: required (an error without validation data); ``False``: never.
+      A given ``prior_precision`` is always used as is. The from-scratch trainer selects only with
+      ``True`` (over the seed's grid).
+    * ``select_by``: the validation criterion (``nll``, ``ece`` or ``brier``).
     """
 
     subset: str = "last-layer"
@@ -89,21 +107,23 @@ class GGPVIConfig:
     batch_size: int = 256
     samples: int = 16
     seed: int = 0
-    select: bool = False
+    select: bool | None = None
+    select_by: Criterion = Criterion.NLL
 
     def __post_init__(self) -> None:
         subsets = [s.value for s in Subset]
-        require(self.subset in subsets, f"--subset must be one of {', '.join(subsets)}, got '{self.subset}'")
-        self.prior_precision = _as_float(self.prior_precision, "--prior-precision")
+        require(self.subset in subsets, f"subset must be one of {', '.join(subsets)}, got '{self.subset}'")
+        self.prior_precision = as_float(self.prior_precision, "prior_precision")
         require(
             self.prior_precision is None or self.prior_precision > 0,
-            f"--prior-precision must be positive, got {self.prior_precision}",
+            f"prior_precision must be positive, got {self.prior_precision}",
         )
-        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        require(self.lr > 0, f"lr must be positive, got {self.lr}")
         require(
             min(self.inducing_points, self.epochs, self.batch_size, self.samples) >= 1,
-            "--inducing-points, --epochs, --train-batch-size and --samples must be at least 1",
+            "inducing_points, epochs, batch_size and samples must be at least 1",
         )
+        self.select_by = select_criterion(self.select_by)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +447,7 @@ def _last_layer_kernel(
 
 
 def _all_layer_kernel(
-    classifier: Classifier, train: ArrayData, val: ArrayData | None, index: torch.Tensor, batch_size: int
+    classifier: Classifier, train: Data, val: Data | None, index: torch.Tensor, batch_size: int
 ) -> _Kernel:
     theta = flat_parameters(classifier.net).double()
     k, m = classifier.num_classes, len(index)
@@ -435,14 +455,14 @@ def _all_layer_kernel(
     if need > MAX_JACOBIAN_BYTES:
         raise BayescliError(
             f"the all-layer GGP kernel keeps {m:,}×{k}×{theta.numel():,} Jacobian entries "
-            f"({need / 2**30:.1f} GiB); lower --inducing-points or use --subset last-layer"
+            f"({need / 2**30:.1f} GiB); lower inducing_points or use subset 'last-layer'"
         )
     inducing = train.inputs(index)
     f_z, jac_z = network_jacobian(classifier.net, classifier.normalise(inducing))
     jac_z = jac_z.double()
     whiten1 = whitening(torch.einsum("mcp,ncp->cmn", jac_z, jac_z))
 
-    def project(data: ArrayData) -> Projected:
+    def project(data: Data) -> Projected:
         parts = [
             jacobian_projection(classifier, x, jac_z, whiten1, theta) for x, _ in data.batches(batch_size)
         ]
@@ -456,77 +476,8 @@ def _all_layer_kernel(
     return _Kernel(whiten1, project(train), None if val is None else project(val), u_star, inducing)
 
 
-def _fit(
-    kernel: _Kernel,
-    labels: torch.Tensor,
-    val_labels: torch.Tensor | None,
-    index: torch.Tensor,
-    marglik: float | None,
-    cfg: GGPVIConfig,
-    subset: Subset,
-    bias: bool,
-) -> GGPVIPosterior:
-    c = kernel.u_star.shape[1]
-    # v* = W u*: the whitened inducing values of the network itself (δ = 1; scales as √δ).
-    v1 = torch.einsum("crm,mc->cr", kernel.whiten1.expand(c, -1, -1), kernel.u_star)
-
-    def run(delta: float) -> SVGPResult:
-        init = v1 * math.sqrt(delta)
-        args = (cfg.epochs, cfg.lr, cfg.batch_size, cfg.samples, cfg.seed)
-        return train_svgp(kernel.train.at(delta), labels, init, *args)
-
-    fits: dict[float, SVGPResult] = {}
-    if cfg.select:
-
-        def objective(delta: float) -> float:
-            fits[delta] = run(delta)
-            lg = predict_svgp(kernel.val.at(delta), fits[delta].mean, fits[delta].chol)
-            return mc_nll(lg, val_labels, cfg.seed)
-
-        delta, curve = grid_search(objective, SELECT_GRID)
-        prior = {
-            "value": delta,
-            "method": "val-nll",
-            "curve": curve,
-            "objective": f"validation NLL (svgp predictive, {VAL_SAMPLES} MC draws)",
-        }
-        warning = edge_warning(delta, curve)
-        if warning:
-            prior["warning"] = warning
-        result = fits[delta]
-    else:
-        delta = cfg.prior_precision if cfg.prior_precision is not None else marglik
-        result = run(delta)
-        prior = {"value": delta, "method": "given" if cfg.prior_precision is not None else "laplace-marglik"}
-    post = GGPVIPosterior(
-        kernel.whiten1 * math.sqrt(delta),
-        result.mean,
-        result.chol,
-        kernel.inducing,
-        index,
-        float(delta),
-        subset,
-        bias,
-        len(labels),
-    )
-    post.meta["prior"] = prior
-    post.meta["vi"] = {
-        "algorithm": "whitened SVGP with the GGP prior (seed 003 App. B.1), classes independent",
-        "inducing": f"{len(index)} fitting inputs, seeded random subset (fixed)",
-        "rank": int(kernel.whiten1.shape[1]),
-        "laplace_marglik_prior_precision": marglik,
-        "epochs": cfg.epochs,
-        "lr": cfg.lr,
-        "batch_size": cfg.batch_size,
-        "schedule": "cosine to zero",
-        "expectations": expectation_label(c, cfg.samples),
-        "objective": result.objective,
-    }
-    return post
-
-
 def _marglik_delta(
-    classifier: Classifier, phi: torch.Tensor | None, train: ArrayData, subset: Subset, batch_size: int
+    classifier: Classifier, phi: torch.Tensor | None, train: Data, subset: Subset, batch_size: int
 ) -> float:
     """The Laplace marginal-likelihood ``δ`` (kron for the last layer, diag for all layers)."""
     if subset is Subset.LAST_LAYER:
@@ -535,45 +486,91 @@ def _marglik_delta(
     return fit_laplace(classifier, batches=batches, subset=subset, structure="diag").prior_precision
 
 
-def fit_ggp_vi(
-    model: LoadedModel,
-    train: ArrayData,
-    val: ArrayData | None,
-    cfg: GGPVIConfig,
-    device: torch.device,
-    batch_size: int = 256,
-) -> GGPVIPosterior:
-    """GGP VI post hoc on a trained checkpoint."""
+def fit_over_grid(source: FitSource, settings: GGPVIConfig, grid: Grid | None) -> GGPVIPosterior:
+    """:func:`fit`, selecting δ over ``grid`` instead of the grid around the marginal-likelihood δ
+    (the from-scratch trainer's :data:`~bayescli.posterior.vi.prior_precision.TRAINER_GRID`)."""
     start = time.perf_counter()
+    cfg, train = settings, source.data
     subset = Subset(cfg.subset)
-    require(train.y is not None, f"{train.spec} has no labels; GGP VI needs labelled fitting data")
-    if cfg.select:
-        require(val is not None and val.y is not None, "--select needs labelled validation data (--val-data)")
-    clf = model.classifier
+    require_validation(cfg.select, source.val is not None)
+    selecting = selects(cfg.prior_precision, cfg.select, source.val is not None)
+    clf = source.classifier
     last = subset is Subset.LAST_LAYER
-    # the backbone runs on ``device``; the SVGP iterations run on the host (features come back once)
-    phi = extract_features(model, train, batch_size, device).phi.cpu() if last else None
-    val_phi = extract_features(model, val, batch_size, device).phi.cpu() if last and cfg.select else None
+    # the backbone runs on the source's device; the SVGP iterations run on the host (features come back once)
+    val_feats = source.val_features() if selecting else None
+    phi = source.features().phi.cpu() if last else None
+    val_phi = val_feats.phi.cpu() if last and selecting else None
     clf.cpu().eval()
     index = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
     index = index[: min(cfg.inducing_points, len(train))].sort().values
-    marglik = None
-    if cfg.prior_precision is None or cfg.select:
-        marglik = _marglik_delta(clf, phi, train, subset, batch_size)
     bias = clf.head.bias is not None
     if last:
         kernel = _last_layer_kernel(phi, val_phi, index, head_parameters(clf.head), bias)
     else:
-        kernel = _all_layer_kernel(clf, train, val if cfg.select else None, index, batch_size)
-    post = _fit(kernel, train.y, None if val is None else val.y, index, marglik, cfg, subset, bias and last)
+        kernel = _all_layer_kernel(clf, train, source.val if selecting else None, index, source.batch_size)
+    c = kernel.u_star.shape[1]
+    # v* = W u*: the whitened inducing values of the network itself (δ = 1; scales as √δ).
+    v1 = torch.einsum("crm,mc->cr", kernel.whiten1.expand(c, -1, -1), kernel.u_star)
+    marglik = None
+    if cfg.prior_precision is None:
+        marglik = _marglik_delta(clf, phi, train, subset, source.batch_size)
+
+    def run(delta: float) -> GGPVIPosterior:
+        args = (cfg.epochs, cfg.lr, cfg.batch_size, cfg.samples, cfg.seed)
+        result = train_svgp(kernel.train.at(delta), train.y, v1 * math.sqrt(delta), *args)
+        post = GGPVIPosterior(
+            kernel.whiten1 * math.sqrt(delta),
+            result.mean,
+            result.chol,
+            kernel.inducing,
+            index,
+            float(delta),
+            subset,
+            bias and last,
+            len(train.y),
+        )
+        post.meta["vi"] = {
+            "algorithm": "whitened SVGP with the GGP prior (seed 003 App. B.1), classes independent",
+            "inducing": f"{len(index)} fitting inputs, seeded random subset (fixed)",
+            "rank": int(kernel.whiten1.shape[1]),
+            "laplace_marglik_prior_precision": marglik,
+            "epochs": cfg.epochs,
+            "lr": cfg.lr,
+            "batch_size": cfg.batch_size,
+            "schedule": "cosine to zero",
+            "expectations": expectation_label(c, cfg.samples),
+            "objective": result.objective,
+        }
+        return post
+
+    val = None
+    if selecting:
+
+        def probs(post: GGPVIPosterior) -> torch.Tensor:
+            proj = kernel.val.at(post.prior_precision)
+            return mc_probs(predict_svgp(proj, post.var_mean, post.var_chol), cfg.seed)
+
+        objective = f"validation {cfg.select_by.value} (svgp predictive, {VAL_SAMPLES} MC draws)"
+        val = Validation(probs, source.val.y, objective, val_feats.logits.softmax(-1).cpu())
+
+    def default() -> Default:
+        return Default(marglik, "laplace-marglik", MARGLIK_RULE)
+
+    post, prior, selection = choose_prior_precision(
+        cfg.prior_precision, cfg.select, cfg.select_by, default, run, val, grid
+    )
+    post.meta["prior"] = prior
+    post.meta["selection"] = selection
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
 
-def train_ggp_vi(
-    model_spec: str, train: ArrayData, val: ArrayData | None, cfg: GGPVIConfig, device: torch.device
-) -> tuple[Classifier, dict, GGPVIPosterior]:
-    """Train the MAP network (the trainer's defaults, seeded with ``cfg.seed``), then fit GGP VI."""
-    clf, meta = train_classifier(model_spec, train, val, TrainConfig(seed=cfg.seed), device)
-    loaded = LoadedModel(clf, ModelSpec.parse(model_spec), Path(), "", meta)
-    return clf, meta, fit_ggp_vi(loaded, train, val, cfg, device)
+def fit(source: FitSource, settings: GGPVIConfig) -> GGPVIPosterior:
+    """GGP VI post hoc on a trained checkpoint.
+
+    δ: ``settings.prior_precision`` if given; else, with validation data (``source.val``) and
+    ``select`` not ``False``, the best of ``δ_0 · 10^i``, ``i = −2 … 2`` (extended past an edge
+    minimum) by ``select_by`` on the validation SVGP predictive, ``δ_0`` the Laplace
+    marginal-likelihood optimum; else ``δ_0``. ``meta["selection"]`` records which.
+    """
+    return fit_over_grid(source, settings, None)

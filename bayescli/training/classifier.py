@@ -118,6 +118,8 @@ def checkpoint_metadata(
         "train_loss": train_loss,
         "train_accuracy": accuracy(clf, train, device),
         "val_accuracy": accuracy(clf, val, device) if val is not None and val.y is not None else None,
+        # held out from training: fitting commands choose hyperparameters on it by default
+        "val_data": None if val is None else val.info,
     }
 
 

@@ -1,0 +1,191 @@
+"""``bayescli select``: which posterior should I use for this model?
+
+One :class:`~bayescli.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
+backbone features are computed once and shared by every method. Each method is fitted with its
+defaults, so its key hyperparameter is chosen on the validation set (:mod:`bayescli.posterior.selection`);
+every posterior, and MAP beside them, is then scored on that same validation set (accuracy, NLL, ECE,
+Brier, and AUROC of its max-probability score against each OOD set). The best by ``criterion`` is
+the recommendation. Choosing by AUROC uses the OOD sets, as OpenOOD's protocol does, and the
+leaderboard says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bayescli._version import __version__
+from bayescli.data import Data
+from bayescli.errors import BayescliError, require
+from bayescli.fit_source import FitSource
+from bayescli.fitting import DataOptions, fit_posterior
+from bayescli.io import write_json
+from bayescli.metrics import accuracy, brier, ece, nll, ood_metrics
+from bayescli.options import Link, Predictive
+from bayescli.posterior.base import Posterior
+from bayescli.predictive.glm import predict
+from bayescli.registry import method_entry
+
+DEFAULT_METHODS = ("laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature")
+CRITERIA = ("nll", "ece", "brier", "auroc")
+LOWER_IS_BETTER = {"nll": True, "ece": True, "brier": True, "auroc": False}
+
+
+@dataclass
+class SelectOptions:
+    """What ``select`` compares and how it ranks them."""
+
+    methods: Sequence[str] = DEFAULT_METHODS
+    criterion: str = "nll"
+    samples: int = 100
+    seed: int = 0
+    settings: dict[str, dict] = field(default_factory=dict)  # method → setting values
+
+    def __post_init__(self) -> None:
+        require(
+            self.criterion in CRITERIA,
+            f"criterion must be one of {', '.join(CRITERIA)}, got '{self.criterion}'",
+        )
+        require(bool(self.methods), "select needs at least one method")
+        for name in self.methods:
+            method_entry(name)  # an unknown name is an error listing the known ones
+
+
+def _link(post: Posterior) -> Link:
+    return Link.BRIDGE if post.native_dirichlet else Link.PROBIT
+
+
+def score_probs(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Validation accuracy, NLL, ECE and Brier of ``probs [N, K]``."""
+    p, y = probs.detach().double().cpu(), labels.cpu()
+    return {"accuracy": accuracy(p, y), "nll": nll(p, y), "ece": ece(p, y), "brier": brier(p, y)}
+
+
+def _auroc(probs_in: torch.Tensor, probs_out: torch.Tensor) -> float:
+    return ood_metrics(probs_in.max(-1).values.cpu(), probs_out.max(-1).values.cpu())["auroc"]
+
+
+def select(
+    source: FitSource,
+    ood: dict[str, Data] | None = None,
+    options: SelectOptions | None = None,
+    *,
+    data_options: DataOptions | None = None,
+    out_dir: Path | None = None,
+    on_fitted: Callable[[str, dict], None] | None = None,
+) -> tuple[dict, dict[str, Posterior]]:
+    """Fit every method of ``options`` on ``source`` (which must hold validation data), score each
+    and MAP on it, and return the leaderboard and the posteriors.
+
+    With ``out_dir``: writes ``<method>.safetensors``, ``best.safetensors`` and
+    ``leaderboard.json`` there (atomically). ``on_fitted(method, row)`` is called after each method
+    (progress for the CLI).
+    """
+    opts = options or SelectOptions()
+    ood = ood or {}
+    require(source.val is not None, "select needs held-out validation data (val); it chooses on it")
+    require(opts.criterion != "auroc" or bool(ood), "criterion 'auroc' needs OOD data (ood)")
+    val = source.val_features()
+    labels = val.labels
+    source.features()  # one backbone pass of the fitting set, shared by every method
+    ood_feats = {name: source.features(data) for name, data in ood.items()}
+    map_probs = val.logits.softmax(-1)
+    map_row = {
+        **score_probs(map_probs, labels),
+        "auroc": {name: _auroc(map_probs, f.logits.softmax(-1)) for name, f in ood_feats.items()},
+    }
+    rows: dict[str, dict] = {}
+    posteriors: dict[str, Posterior] = {}
+    for name in opts.methods:
+        start = time.perf_counter()
+        post = fit_posterior(name, source, data_options=data_options, **opts.settings.get(name, {}))
+        seconds = time.perf_counter() - start
+
+        def probs_of(feats: object, data: Data, post: Posterior = post) -> torch.Tensor:
+            pred = predict(
+                post,
+                feats,
+                Predictive.GLM,
+                _link(post),
+                opts.samples,
+                opts.seed,
+                classifier=source.classifier,
+                data=data,
+                batch_size=source.batch_size,
+            )
+            return pred.probs
+
+        probs = probs_of(val, source.val)
+        row = {
+            **score_probs(probs, labels),
+            "auroc": {n: _auroc(probs, probs_of(f, ood[n])) for n, f in ood_feats.items()},
+            "hyperparameters": _chosen(post),
+            "fit_seconds": seconds,
+            "predictive": f"glm-{_link(post).value}",
+        }
+        row["mean_auroc"] = _mean(row["auroc"])
+        warning = (post.meta.get("selection") or {}).get("warning")
+        if warning:
+            row["warning"] = warning
+        rows[name], posteriors[name] = row, post
+        if on_fitted is not None:
+            on_fitted(name, row)
+    map_row["mean_auroc"] = _mean(map_row["auroc"])
+    best = _best(rows, opts.criterion)
+    board = {
+        "schema_version": 1,
+        "kind": "select",
+        "bayescli_version": __version__,
+        "criterion": opts.criterion,
+        "used_ood_for_choice": opts.criterion == "auroc",
+        "model": source.model.describe(),
+        "data": source.data.info,
+        "validation": source.val.info,
+        "ood": {name: data.info for name, data in ood.items()},
+        "map": map_row,
+        "methods": rows,
+        "best": best,
+        "best_beats_map": _better(rows[best], map_row, opts.criterion),
+    }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, post in posteriors.items():
+            post.save(out_dir / f"{name}.safetensors")
+            rows[name]["file"] = f"{name}.safetensors"
+        posteriors[best].save(out_dir / "best.safetensors")
+        write_json(out_dir / "leaderboard.json", board)
+    return board, posteriors
+
+
+def _chosen(post: Posterior) -> dict:
+    sel = post.meta.get("selection") or {}
+    out = {"validated": bool(sel.get("validated"))}
+    if sel.get("setting"):
+        out[sel["setting"]] = sel.get("chosen")
+    for axis in sel.get("axes", []) if isinstance(sel.get("axes"), list) else []:
+        if isinstance(axis, dict) and axis.get("setting"):
+            out[axis["setting"]] = axis.get("chosen")
+    return out
+
+
+def _mean(values: dict[str, float]) -> float | None:
+    return sum(values.values()) / len(values) if values else None
+
+
+def _key(row: dict, criterion: str) -> float:
+    value = row["mean_auroc"] if criterion == "auroc" else row[criterion]
+    if value is None:
+        raise BayescliError(f"no {criterion} to rank by")
+    return value if LOWER_IS_BETTER[criterion] else -value
+
+
+def _best(rows: dict[str, dict], criterion: str) -> str:
+    return min(rows, key=lambda name: _key(rows[name], criterion))
+
+
+def _better(row: dict, map_row: dict, criterion: str) -> bool:
+    return _key(row, criterion) <= _key(map_row, criterion)

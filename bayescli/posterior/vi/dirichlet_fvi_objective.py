@@ -1,0 +1,251 @@
+"""The Dirichlet fVI objective and its minimisation (VI-SPEC A1, A6), shared by the post-hoc fit
+(:mod:`bayescli.posterior.vi.dirichlet_fvi`) and from-scratch training
+(:mod:`bayescli.training.dirichlet_fvi`).
+
+Per minibatch ``ℓ = (1/B) Σ_b (1/M) Σ_m −ln f⁽ᵐ⁾_{y_b}(x_b) + (τ/N) Σ_{s∈S} KL_s`` with eq. 6's
+Monte Carlo KL between the Dirichlet fitted to the samples (Minka's fixed-mean precision,
+:func:`fit_precision_fast`, held constant) and the prior ``Dir(β)``; :func:`optimise` runs Adam
+over seeded minibatches of it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from bayescli.dirichlet import minka_iterate, minka_step, stirling_precision
+from bayescli.errors import BayescliError, require
+from bayescli.progress import track
+
+if TYPE_CHECKING:
+    from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
+
+GAMMA = 1e-4  # label smoothing inside the KL [000:F]
+MINKA_MAX_ITER = 50  # VI-SPEC A6.3: the seed saw up to 1172 iterations; 3 is typical
+MINKA_CHEAP_STEPS = 2  # float32 Newton steps with _psi_approx before the exact ones (start ≈ 1.5e-4 off)
+MINKA_STOP = 5e-4  # exact steps stop once |Δz| ≤ this·z: the next would move z by ≈ 0.05·this²
+
+
+def parse_beta(beta: float | str, num_classes: int) -> torch.Tensor:
+    """``β [K]`` (float64) from a number or a comma list of ``K`` positive numbers."""
+    try:
+        values = [float(t) for t in beta.split(",")] if isinstance(beta, str) else [float(beta)]
+    except ValueError:
+        raise BayescliError(f"beta must be a number or a comma list of {num_classes}, got '{beta}'") from None
+    require(
+        len(values) in (1, num_classes),
+        f"beta has {len(values)} entries but there are {num_classes} classes; give 1 or {num_classes}",
+    )
+    require(all(v > 0 and math.isfinite(v) for v in values), f"beta must be positive, got {beta}")
+    out = torch.tensor(values, dtype=torch.float64)
+    return out.expand(num_classes).clone() if len(values) == 1 else out
+
+
+def smoothed_samples(logits: torch.Tensor, gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
+    """``f̃ = (1 − γ) softmax(logits) + γ/K`` and ``ln f̃``, ``[..., K]`` in the logits' dtype.
+
+    ``f̃ ≥ γ/K`` keeps the log finite; ``γ = 0`` takes ``log_softmax`` (no underflow either).
+    """
+    if gamma == 0:
+        log_f = torch.log_softmax(logits, -1)
+        return log_f.exp(), log_f
+    ft = torch.softmax(logits, -1) * (1 - gamma) + gamma / logits.shape[-1]
+    return ft, ft.log()
+
+
+def _psi_approx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cheap ``ψ(x)`` and ``ψ₁(x)`` for ``x > 0``: two steps of the recurrence, then
+    ``ψ(y) ≈ ln(y − ½) + 1/(24(y − ½)²)`` at ``y = x + 2`` (absolute error ≤ 1.3e−3 in ``ψ``; the
+    derivative of the same expression for ``ψ₁``). A dozen elementwise passes instead of the
+    scalar series of ``torch.digamma``/``polygamma``; only Minka's starting point uses it."""
+    y = x + 1.5
+    ry = y.reciprocal()
+    ry2 = ry * ry
+    r0 = x.reciprocal()
+    r1 = (x + 1).reciprocal_()
+    psi = y.log_().add_(ry2, alpha=1 / 24).sub_(r0).sub_(r1)
+    psi1 = ry.sub_(ry2 * ry, alpha=1 / 12).addcmul_(r0, r0).addcmul_(r1, r1)
+    return psi, psi1
+
+
+def fit_precision_fast(
+    a_bar: torch.Tensor,
+    log_a_bar: torch.Tensor,
+    a_log: torch.Tensor,
+    num_samples: int,
+    min_precision: float,
+    max_precision: float,
+    max_iter: int = MINKA_MAX_ITER,
+) -> tuple[torch.Tensor, int]:
+    """:func:`bayescli.dirichlet.fit_precision`'s root ``z [N]`` (within 1e−7 relative) for
+    ``ᾱ``, ``ln ᾱ`` and ``ᾰ`` (``[N, K]``, float64), with fewer ``ψ``/``ψ₁`` evaluations.
+
+    The same Newton step on ``1/z`` (eqs. 29–31) from the same Stirling start, but (1)
+    ``MINKA_CHEAP_STEPS`` steps first use :func:`_psi_approx` in float32 (≈ 1.5e−4 from the root
+    instead of Stirling's 30 %); (2) exact steps (``ψ`` in float64, ``ψ₁`` — which sets only the
+    step length, not the root — in float32) stop once a step moves ``z`` by ≤ ``MINKA_STOP``
+    relative: Newton's next step would be ``≈ c·MINKA_STOP²`` with ``c ≈ 0.05`` measured (≤ 1e−8),
+    so the old rule's confirming iteration (|Δz| ≤ 1e−5) is not paid. Typically 1 exact
+    iteration instead of 3. Returns ``z`` and the exact iterations of the slowest row.
+    """
+    n = a_bar.shape[0]
+    lo, hi = float(min_precision), float(max_precision)
+    if num_samples == 1:
+        return torch.full((n,), hi, dtype=torch.float64, device=a_bar.device), 0
+    cross = (a_bar * a_log).sum(-1)  # Σ ᾱ_k ᾰ_k, constant over the iterations
+    z = stirling_precision(a_bar, a_log, log_a_bar, lo, hi)
+    ab32 = a_bar.float()
+    ab32_sq = ab32.square()
+    for _ in range(MINKA_CHEAP_STEPS):
+        zf = z.float()
+        psi, psi1 = _psi_approx(zf[:, None] * ab32)
+        psi_z, psi1_z = _psi_approx(zf)
+        d1 = (psi_z - (ab32 * psi).sum(-1)).double() + cross
+        d2 = (psi1_z - (ab32_sq * psi1).sum(-1)).double()
+        z = minka_step(z, d1, d2, lo, hi)
+    return minka_iterate(z, a_bar, cross, lo, hi, MINKA_STOP, max_iter, torch.float32)
+
+
+@torch.no_grad()
+def alpha_and_log_mean(
+    mean_ft: torch.Tensor, mean_log_ft: torch.Tensor, m: int, max_precision: float
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`posterior_alpha`, plus ``ln ᾱ`` (the bridge's ``μ`` is it centred)."""
+    a_bar = mean_ft.double()
+    a_bar = a_bar / a_bar.sum(-1, keepdim=True)
+    log_a_bar = a_bar.log()
+    k = a_bar.shape[-1]
+    z, iterations = fit_precision_fast(a_bar, log_a_bar, mean_log_ft.double(), m, k, max_precision)
+    return z[:, None] * a_bar, log_a_bar, iterations
+
+
+def posterior_alpha(
+    mean_ft: torch.Tensor, mean_log_ft: torch.Tensor, m: int, max_precision: float
+) -> tuple[torch.Tensor, int]:
+    """``α [S, K]`` (float64) from the means over ``M`` samples of ``f̃`` and ``ln f̃`` (``[S, K]``),
+    and Minka's (exact) iterations.
+
+    ``ᾱ`` = mean ``f̃``, ``ᾰ`` = mean ``ln f̃`` (averaged in the samples' dtype: float32 rounding,
+    ≲ 1e−6 in ``ᾰ``, is far below the Monte Carlo error of an ``M``-sample estimate);
+    ``z ∈ [K, max_precision]`` in float64 (:func:`fit_precision_fast`), ``= max_precision`` for
+    ``M = 1`` [000:F].
+    """
+    alpha, _, iterations = alpha_and_log_mean(mean_ft, mean_log_ft, m, max_precision)
+    return alpha, iterations
+
+
+def _kl_from_log_probs(
+    log_f: torch.Tensor, beta: torch.Tensor, max_precision: float, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`dirichlet_kl` from ``log_softmax`` samples (shared with the NLL in :func:`fvi_loss`).
+
+    Eq. 6 = ``(1/M) Σ_m [ln Dir(f̃⁽ᵐ⁾ | α) − ln Dir(f̃⁽ᵐ⁾ | β)]`` = ``lnΓ(z) − Σ lnΓ(α_k) − lnΓ(Σβ)
+    + Σ lnΓ(β_k) + Σ_k (α_k − β_k) mean_m ln f̃_k⁽ᵐ⁾``: the normalisers (constants under the stop-
+    gradient) in float64, the part linear in ``ln f̃`` in the samples' dtype (float32 training:
+    ~1e−7 relative in the gradient, ≲ 0.1 in a logged KL of order 10³).
+    """
+    f = log_f.exp()
+    if gamma == 0:
+        ft, log_ft = f, log_f
+    else:
+        ft = f * (1 - gamma) + gamma / log_f.shape[-1]
+        log_ft = ft.log()
+    mean_log_ft = log_ft.mean(0)  # [S, K]: the only path of the gradient
+    alpha, iterations = posterior_alpha(
+        ft.detach().mean(0), mean_log_ft.detach(), log_f.shape[0], max_precision
+    )
+    beta = beta.to(alpha)
+    z = alpha.sum(-1)
+    const = (
+        torch.lgamma(z) - torch.lgamma(alpha).sum(-1) - torch.lgamma(beta.sum()) + torch.lgamma(beta).sum()
+    )
+    linear = ((alpha - beta).to(log_ft.dtype) * mean_log_ft).sum(-1)
+    return const + linear, z, iterations
+
+
+def dirichlet_kl(
+    logits: torch.Tensor, beta: torch.Tensor, max_precision: float, gamma: float = GAMMA
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Eq. 6 per index point: ``KL_s [S]`` for logit samples ``[M, S, K]``, plus ``z [S]`` and
+    Minka's iteration count. Differentiable in ``logits`` with ``α`` held constant."""
+    return _kl_from_log_probs(torch.log_softmax(logits, -1), beta, max_precision, gamma)
+
+
+def fvi_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    beta: torch.Tensor,
+    tau: float,
+    n_data: int,
+    index_logits: torch.Tensor | None = None,
+    gamma: float = GAMMA,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``ℓ = mean_{b,m} −ln f⁽ᵐ⁾_{y_b} + (τ/N) Σ_{s∈S} KL_s`` for batch logits ``[M, B, K]``.
+
+    ``S`` = the batch plus ``index_logits [M, S', K]``; ``N = n_data`` also caps ``z``.
+    Returns the loss and its parts (``nll``, ``kl`` = the mean ``KL_s``, ``z`` = mean precision,
+    ``minka_iterations``) for logging.
+    """
+    log_p = torch.log_softmax(logits, -1)
+    nll = -log_p.gather(-1, labels.expand(logits.shape[0], -1)[..., None]).mean()
+    stats = {"nll": float(nll.detach())}
+    if tau == 0:
+        return nll, stats
+    points = log_p if index_logits is None else torch.cat([log_p, torch.log_softmax(index_logits, -1)], 1)
+    kl, z, iterations = _kl_from_log_probs(points, beta, n_data, gamma)
+    loss = nll + (tau / n_data) * kl.sum()
+    stats |= {"kl": float(kl.detach().mean()), "z": float(z.mean()), "minka_iterations": iterations}
+    return loss, stats
+
+
+Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def optimise(
+    parameters: list[torch.Tensor],
+    forward: Forward,
+    labels: torch.Tensor,
+    cfg: DirichletFVIConfig,
+    tau: float,
+    beta: torch.Tensor,
+    description: str,
+) -> list[dict[str, float]]:
+    """Adam over seeded minibatches; ``forward(idx)`` gives batch and extra index logits.
+
+    Returns per-epoch means of the loss parts (``loss``, ``nll``, ``kl``, ``z``), the largest
+    Minka iteration count and the epoch's seconds.
+    """
+    n = len(labels)
+    try:  # the fused kernel is one pass over the parameters: 10× faster on a 20M-parameter head
+        opt = torch.optim.Adam(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    except RuntimeError:  # torch < 2.4 fuses on CUDA only
+        opt = torch.optim.Adam(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict[str, float]] = []
+    for epoch in track(range(cfg.epochs), total=cfg.epochs, description=description):
+        epoch_start = time.perf_counter()
+        perm = torch.randperm(n, generator=gen)
+        sums: dict[str, float] = {}
+        for start in range(0, n, cfg.batch_size):
+            idx = perm[start : start + cfg.batch_size]
+            logits, index_logits = forward(idx)
+            loss, stats = fvi_loss(
+                logits, labels[idx].to(logits.device), beta, tau, n, index_logits, cfg.smoothing
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            stats["loss"] = float(loss.detach())
+            for key, value in stats.items():
+                if key == "minka_iterations":
+                    sums[key] = max(sums.get(key, 0), value)
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * len(idx) / n
+        if not math.isfinite(sums["loss"]):
+            raise BayescliError(f"the fVI loss became {sums['loss']} in epoch {epoch + 1}; lower lr or tau")
+        history.append(sums | {"seconds": time.perf_counter() - epoch_start})
+    return history

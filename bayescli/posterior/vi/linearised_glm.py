@@ -1,0 +1,245 @@
+"""The linearised network as a GLM, and GLM VI's natural-gradient iteration on it (seed 003 App. B.1).
+
+Linearising at ``θ*`` gives logits ``f_lin(x, θ) = f(x; θ*) + J(x)(θ − θ*)``; for the last layer
+``J = I_K ⊗ φ̃ᵀ`` (exact: the head is linear). :class:`GLMData` holds the fitting set in that form
+and computes the sums of the updates; :func:`natural_gradient_vi` iterates
+
+    Σ⁻¹ ← (1 − β) Σ⁻¹ + β (Σ_n J_nᵀ E[Λ_n] J_n + δ I)        (diag: the diagonal of the bracket)
+    μ   ← μ + β Σ_new (Σ_n J_nᵀ E[r_n] − δ μ),
+
+with the expectations of :mod:`bayescli.posterior.vi.softmax_expectations`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from bayescli.data import Data
+from bayescli.errors import BayescliError, require
+from bayescli.models import Classifier
+from bayescli.options import Subset
+from bayescli.posterior.curvature import network_jacobian
+from bayescli.posterior.gaussian import augment
+from bayescli.posterior.vi.network_weights import flat_parameters
+from bayescli.posterior.vi.softmax_expectations import softmax_expectations
+from bayescli.progress import track
+
+# All-layer GLM VI keeps every fitting input's Jacobian [K, P] (float32) in memory: this is the cap.
+MAX_JACOBIAN_BYTES = 4 * 2**30
+
+
+@dataclass
+class GLMData:
+    """The linearised network on the fitting data (float64 throughout the iteration).
+
+    Last layer: ``phi [N, D]`` and ``bias`` (parameters ``W̃ [K, D(+1)]``, logits ``W̃ φ̃``).
+    All layers: ``jac [N, K, P]`` and ``offset [N, K] = f(x; θ*) − J θ*`` (logits ``offset + J θ``).
+    """
+
+    labels: torch.Tensor
+    num_classes: int
+    phi: torch.Tensor | None = None
+    bias: bool = True
+    jac: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+    _chunk_key: tuple | None = field(default=None, repr=False)
+    _chunk: tuple = field(default=(None, None), repr=False)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def last_layer(self) -> bool:
+        return self.phi is not None
+
+    def chunks(self, size: int) -> Iterator[slice]:
+        for start in range(0, len(self), size):
+            yield slice(start, start + size)
+
+    def _phi(self, sl: slice, dtype: torch.dtype = torch.float64, square: bool = False) -> torch.Tensor:
+        """``φ̃`` (or ``φ̃²``) of a chunk; the last chunk's are kept, as each is used three times."""
+        key = (sl.start, sl.stop, dtype)
+        if self._chunk_key != key:
+            phi = self.phi[sl].to(dtype)
+            phi = augment(phi) if self.bias else phi
+            self._chunk_key, self._chunk = key, (phi, None)
+        phi, phi_sq = self._chunk
+        if not square:
+            return phi
+        if phi_sq is None:
+            phi_sq = phi.square()
+            self._chunk = (phi, phi_sq)
+        return phi_sq
+
+    def logit_mean(self, mean: torch.Tensor, sl: slice) -> torch.Tensor:
+        """``f_lin(x_n, μ)`` ``[B, K]`` (in the mean's dtype)."""
+        if self.last_layer:
+            return self._phi(sl, mean.dtype) @ mean.T
+        return self.offset[sl] + self.jac[sl].double() @ mean
+
+    def logit_cov(self, state: _State, sl: slice) -> torch.Tensor:
+        """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag) or ``[B, K, K]``."""
+        if self.last_layer:
+            if state.factor is None:
+                return self._phi(sl, state.variance.dtype, square=True) @ state.variance.T
+            phi = self._phi(sl)
+            k, d1 = state.mean.shape
+            jg = torch.einsum("nd,kdp->nkp", phi, state.factor.reshape(k, d1, -1))
+            return jg @ jg.transpose(1, 2)
+        jac = self.jac[sl].double()
+        if state.factor is None:
+            return torch.einsum("nkp,p,nlp->nkl", jac, state.variance, jac)
+        jg = jac @ state.factor
+        return jg @ jg.transpose(1, 2)
+
+    def gradient(self, resid: torch.Tensor, sl: slice) -> torch.Tensor:
+        """``Σ_n J_nᵀ r_n`` (shaped like the mean)."""
+        if self.last_layer:
+            return (resid.T @ self._phi(sl, resid.dtype)).double()
+        return torch.einsum("nk,nkp->p", resid, self.jac[sl].double())
+
+    def curvature(self, lam: torch.Tensor, sl: slice, diag: bool) -> torch.Tensor:
+        """``Σ_n J_nᵀ Λ_n J_n``: its diagonal (shaped like the mean) or ``[P, P]``."""
+        if self.last_layer:
+            phi = self._phi(sl, lam.dtype)
+            if diag:  # lam is the diagonal [B, K] here: the logit covariance is diagonal too
+                return (lam.T @ self._phi(sl, lam.dtype, square=True)).double()
+            k, d1 = lam.shape[1], phi.shape[1]
+            blocks = (lam[:, :, :, None] * phi[:, None, None, :]).reshape(len(phi), -1).T @ phi
+            return blocks.reshape(k, k, d1, d1).permute(0, 2, 1, 3).reshape(k * d1, k * d1)
+        jac = self.jac[sl].double()
+        lam_jac = lam @ jac  # [B, K, P]
+        if diag:
+            return (lam_jac * jac).sum((0, 1))
+        return jac.reshape(-1, jac.shape[2]).T @ lam_jac.reshape(-1, jac.shape[2])
+
+
+@dataclass
+class _State:
+    """``q`` in the iteration: mean, curvature ``Σ⁻¹ − δI`` and what the pushes need."""
+
+    mean: torch.Tensor
+    curvature: torch.Tensor
+    delta: float
+    variance: torch.Tensor | None = None  # diag: 1 / (h + δ)
+    factor: torch.Tensor | None = None  # full: G = C⁻ᵀ with C Cᵀ = Σ⁻¹, so Σ = G Gᵀ
+    chol: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, mean: torch.Tensor, curvature: torch.Tensor, delta: float) -> _State:
+        if curvature.shape == mean.shape:
+            return cls(mean, curvature, delta, variance=1.0 / (curvature + delta))
+        eye = torch.eye(len(curvature), dtype=curvature.dtype)
+        chol = torch.linalg.cholesky(0.5 * (curvature + curvature.T) + delta * eye)
+        factor = torch.linalg.solve_triangular(chol, eye, upper=False).T
+        return cls(mean, curvature, delta, factor=factor, chol=chol)
+
+    def solve(self, g: torch.Tensor) -> torch.Tensor:
+        """``Σ g`` (``g`` shaped like the mean)."""
+        if self.variance is not None:
+            return self.variance * g
+        return torch.cholesky_solve(g.reshape(-1, 1), self.chol).reshape(g.shape)
+
+    def kl(self) -> float:
+        """``KL(q ‖ N(0, δ⁻¹ I))``."""
+        d, p = self.delta, self.mean.numel()
+        if self.variance is not None:
+            trace, logdet_prec = self.variance.sum(), torch.log(self.curvature + d).sum()
+        else:
+            trace, logdet_prec = self.factor.square().sum(), 2 * torch.log(self.chol.diagonal()).sum()
+        value = d * trace + d * self.mean.square().sum() - p - p * math.log(d) + logdet_prec
+        return float(0.5 * value)
+
+
+@dataclass
+class NGVIResult:
+    """The fitted mean and curvature (``Σ⁻¹ − δI``) and the iteration's record."""
+
+    mean: torch.Tensor
+    curvature: torch.Tensor
+    elbo: list[float]
+    residuals: dict = field(default_factory=dict)
+
+
+def natural_gradient_vi(
+    data: GLMData,
+    mean: torch.Tensor,
+    curvature: torch.Tensor,
+    delta: float,
+    epochs: int,
+    lr: float,
+    samples: int = 8,
+    seed: int = 0,
+    batch_size: int = 1024,
+) -> NGVIResult:
+    """Run the natural-gradient iteration from ``N(mean, (curvature + δI)⁻¹)``.
+
+    ``mean`` is ``[K, D(+1)]`` (last layer) or ``[P]``; ``curvature`` has the mean's shape (diag)
+    or is ``[P, P]`` (full). The ELBO (its Monte-Carlo estimate when ``K > 2``) is recorded at
+    every iterate; ``residuals`` hold the fixed-point conditions at the last expansion point:
+    ``gradient`` = max |Σ Jᵀ E[r] − δμ| and ``curvature`` = max |E[Σ JᵀΛJ] − (Σ⁻¹ − δI)|, each
+    relative to the largest entry of its reference (``δ|μ|`` and the curvature).
+    """
+    require(delta > 0, f"prior precision must be positive, got {delta}")
+    diag = curvature.shape == mean.shape
+    state = _State.build(mean.double(), curvature.double(), float(delta))
+    gen = torch.Generator().manual_seed(seed)
+    diag_logits = diag and data.last_layer  # the logit covariance is diagonal: sample K scalars
+    # Last-layer diag with K > 2 works in float32 per chunk (GEMMs over ≤ batch_size inputs, Monte
+    # Carlo noise ≫ round-off) and sums in float64; K = 2 quadrature and full covariances stay float64.
+    work = torch.float32 if diag_logits and data.num_classes > 2 else torch.float64
+    elbo: list[float] = []
+    residuals: dict = {}
+    for _ in track(range(epochs), total=epochs, description="GLM VI"):
+        grad = torch.zeros_like(state.mean)
+        curv = torch.zeros_like(state.curvature)
+        ell = 0.0
+        view = state if work == torch.float64 else replace(state, variance=state.variance.to(work))
+        mean_w = state.mean.to(work)
+        for sl in data.chunks(batch_size):
+            mean_b = data.logit_mean(mean_w, sl)
+            cov_b = data.logit_cov(view, sl)
+            e_ll, resid, lam = softmax_expectations(
+                mean_b, cov_b, data.labels[sl], samples, gen, diag_only=diag_logits
+            )
+            ell += float(e_ll.sum())
+            grad += data.gradient(resid, sl)
+            curv += data.curvature(lam, sl, diag)
+        elbo.append(ell - state.kl())
+        g = grad - delta * state.mean
+        residuals = {
+            "gradient": float(g.abs().max() / (delta * state.mean.abs().max()).clamp_min(1e-300)),
+            "curvature": float(
+                (curv - state.curvature).abs().max() / state.curvature.abs().max().clamp_min(1e-300)
+            ),
+        }
+        new_state = _State.build(state.mean, (1 - lr) * state.curvature + lr * curv, delta)
+        new_state.mean = state.mean + lr * new_state.solve(g)  # the step uses the new precision
+        state = new_state
+    return NGVIResult(state.mean, state.curvature, elbo, residuals)
+
+
+def linearised_data(
+    classifier: Classifier, train: Data, subset: Subset, batch_size: int, phi: torch.Tensor | None
+) -> GLMData:
+    """:class:`GLMData` for ``train``: features ``phi [N, D]`` (last layer) or per-input Jacobians (all)."""
+    k = classifier.num_classes
+    if subset is Subset.LAST_LAYER:
+        return GLMData(train.y, k, phi=phi, bias=classifier.head.bias is not None)
+    theta = flat_parameters(classifier.net).double()
+    need = len(train) * k * theta.numel() * 4
+    if need > MAX_JACOBIAN_BYTES:
+        raise BayescliError(
+            f"all-layer GLM VI keeps {len(train):,}×{k}×{theta.numel():,} Jacobian entries "
+            f"({need / 2**30:.1f} GiB); use subset='last-layer' or fewer fitting inputs"
+        )
+    jacs, offsets = [], []
+    for x, _ in train.batches(batch_size):
+        f, jac = network_jacobian(classifier.net, classifier.normalise(x))
+        jacs.append(jac)
+        offsets.append(f.double() - jac.double() @ theta)
+    return GLMData(train.y, k, jac=torch.cat(jacs), offset=torch.cat(offsets))

@@ -1,0 +1,129 @@
+"""Expectations of the softmax likelihood under Gaussian logits ``f ~ N(mean, cov)``.
+
+Shared by GLM VI (natural-gradient updates), GGP VI (the SVGP objective) and their validation
+predictives. ``K = 2``: exact, by 64-node Gauss–Hermite on the logit difference ``f₀ − f₁`` (the
+softmax depends on nothing else). ``K > 2``: Monte Carlo with seeded draws.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayescli.metrics import nll
+from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
+
+GH_NODES = 64
+# Draws of the Monte-Carlo predictive that scores a candidate on validation data.
+VAL_SAMPLES = 100
+
+
+@functools.cache
+def _hermegauss(num: int) -> tuple[np.ndarray, np.ndarray]:
+    nodes, weights = np.polynomial.hermite_e.hermegauss(num)
+    return nodes, weights / math.sqrt(2 * math.pi)
+
+
+def gauss_hermite(dtype: torch.dtype, num: int = GH_NODES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes and weights with ``E_{z~N(0,1)}[g(z)] ≈ Σ_i w_i g(z_i)`` (exact for degree < 2·num)."""
+    nodes, weights = _hermegauss(num)
+    return torch.as_tensor(nodes, dtype=dtype), torch.as_tensor(weights, dtype=dtype)
+
+
+def _difference(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of ``f₀ − f₁`` for ``K = 2`` (``cov`` a variance or ``[B,2,2]``)."""
+    var = cov[:, 0] + cov[:, 1] if cov.dim() == 2 else cov[:, 0, 0] + cov[:, 1, 1] - 2 * cov[:, 0, 1]
+    return mean[:, 0] - mean[:, 1], var.clamp_min(0).sqrt()
+
+
+def _draws(mean: torch.Tensor, cov: torch.Tensor, samples: int, generator: torch.Generator) -> torch.Tensor:
+    """``samples`` float32 logit draws ``[S, B, K]`` (``cov`` a variance ``[B,K]`` or ``[B,K,K]``).
+
+    float32: the Monte-Carlo error (~1/√S) dwarfs its round-off, and drawing and exponentiating
+    S·B·K numbers dominates an iteration's time.
+    """
+    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=torch.float32)
+    if cov.dim() == 2:
+        return mean.float() + eps * cov.clamp_min(0).sqrt().float()
+    return mean.float() + torch.einsum("bkl,sbl->sbk", cholesky_jitter(cov).float(), eps)
+
+
+def softmax_expectations(
+    mean: torch.Tensor,
+    cov: torch.Tensor,
+    labels: torch.Tensor,
+    samples: int,
+    generator: torch.Generator,
+    diag_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``E[log p(y|f)] [B]``, ``E[y − softmax f] [B,K]`` and ``E[Λ] [B,K,K]`` (its diagonal ``[B,K]``
+    with ``diag_only``) for ``f ~ N(mean [B,K], cov)``, ``cov`` a variance ``[B,K]`` or ``[B,K,K]``.
+
+    ``K = 2``: Gauss–Hermite on ``d = f₀ − f₁`` (``p₀ = σ(d)``, ``Λ = σ(1−σ)[[1,−1],[−1,1]]``);
+    ``K > 2``: Monte Carlo with ``samples`` draws.
+    """
+    k = mean.shape[1]
+    onehot = nn.functional.one_hot(labels, k).to(mean.dtype)
+    if k == 2:
+        nodes, weights = gauss_hermite(mean.dtype)
+        m, s = _difference(mean, cov)
+        d = m[:, None] + s[:, None] * nodes  # [B, G]
+        sig = torch.sigmoid(d)
+        p0 = sig @ weights
+        lam = (sig * (1 - sig)) @ weights
+        sign = 1.0 - 2.0 * labels.to(mean.dtype)  # log p_y = log σ(±d): + for y = 0
+        ell = nn.functional.logsigmoid(sign[:, None] * d) @ weights
+        probs = torch.stack([p0, 1 - p0], 1)
+        if diag_only:
+            return ell, onehot - probs, lam[:, None].expand(-1, 2).clone()
+        block = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=mean.dtype)
+        return ell, onehot - probs, lam[:, None, None] * block
+    logp = _draws(mean, cov, samples, generator).log_softmax(-1)
+    p = logp.exp()
+    ell = logp.gather(2, labels.view(1, -1, 1).expand(samples, -1, 1)).squeeze(2).mean(0)
+    p_mean = p.mean(0)
+    if diag_only:
+        lam = (p - p.square()).mean(0)
+    else:
+        lam = torch.diag_embed(p_mean) - torch.einsum("sbk,sbl->bkl", p, p) / samples
+    dtype = mean.dtype
+    return ell.to(dtype), onehot - p_mean.to(dtype), lam.to(dtype)
+
+
+def expected_log_softmax(
+    mean: torch.Tensor, var: torch.Tensor, labels: torch.Tensor, samples: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Differentiable ``E[log softmax(f)_y] [B]`` for independent ``f_k ~ N(mean, var)`` ``[B,K]``.
+
+    ``K = 2``: Gauss–Hermite on ``f₀ − f₁``; ``K > 2``: reparameterised Monte Carlo.
+    """
+    if mean.shape[1] == 2:
+        nodes, weights = gauss_hermite(mean.dtype)
+        m, s = _difference(mean, var)
+        sign = 1.0 - 2.0 * labels.to(mean.dtype)
+        return nn.functional.logsigmoid(sign[:, None] * (m[:, None] + s[:, None] * nodes)) @ weights
+    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=mean.dtype)
+    logp = (mean + eps * var.clamp_min(1e-30).sqrt()).log_softmax(-1)
+    return logp.gather(2, labels.view(1, -1, 1).expand(samples, -1, 1)).squeeze(2).mean(0)
+
+
+def expectation_label(num_classes: int, samples: int) -> str:
+    """How the likelihood's expectations are computed (recorded in the posterior's metadata)."""
+    if num_classes == 2:
+        return f"exact: {GH_NODES}-node Gauss-Hermite on f0 - f1"
+    return f"Monte Carlo: {samples} logit draws per input and step (seeded)"
+
+
+def mc_probs(lg: LogitGaussian, seed: int, samples: int = VAL_SAMPLES) -> torch.Tensor:
+    """The Monte-Carlo predictive ``E[softmax f] [N, K]``, ``f ~ lg`` (``samples`` seeded draws)."""
+    draws = lg.sample(samples, torch.Generator().manual_seed(seed))
+    return draws.softmax(-1).mean(0)
+
+
+def mc_nll(lg: LogitGaussian, labels: torch.Tensor, seed: int, samples: int = VAL_SAMPLES) -> float:
+    """NLL of :func:`mc_probs` against ``labels [N]``."""
+    return nll(mc_probs(lg, seed, samples), labels)

@@ -1,0 +1,62 @@
+"""What a prediction file holds per input: JSON rows (prediction, top-5, entropy, label) and the
+Dirichlet quantities of a bridge or fitted Dirichlet output."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from bayescli.metrics import entropy
+from bayescli.predictive import dirichlet
+
+
+def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-input quantities of Dirichlets ``alpha [N, K]``: the parameters, mean and variance
+    ``[N, K]``, precision, entropy of the mean, expected entropy and mutual information ``[N]``."""
+    return {
+        "alpha": alpha,
+        "dirichlet_mean": dirichlet.mean(alpha),
+        "dirichlet_variance": dirichlet.variance(alpha),
+        "alpha0": dirichlet.precision(alpha),
+        "entropy_of_mean": dirichlet.entropy_of_mean(alpha),
+        "expected_entropy": dirichlet.expected_entropy(alpha),
+        "mutual_information": dirichlet.mutual_information(alpha),
+    }
+
+
+def prediction_rows(
+    probs: torch.Tensor,
+    labels: torch.Tensor | None,
+    names: list[str],
+    extra: dict[str, torch.Tensor],
+    chunk: int = 4096,
+) -> Iterator[dict]:
+    """One JSON row per input of ``probs [N, K]`` (prediction, top-5, max probability, entropy,
+    ``labels [N]`` when known, and each ``extra`` tensor's row ``[N, …]``), converted chunk by chunk
+    so that streaming a large set never holds all rows as Python objects."""
+    for start in range(0, len(probs), chunk):
+        sl = slice(start, start + chunk)
+        top_p, top_i = probs[sl].topk(min(5, probs.shape[1]), dim=1)
+        cols = {
+            "top_i": top_i.tolist(),
+            "top_p": top_p.tolist(),
+            "entropy": entropy(probs[sl]).tolist(),
+            "label": labels[sl].tolist() if labels is not None else None,
+            **{key: value[sl].tolist() for key, value in extra.items()},
+        }
+        for j in range(len(cols["top_i"])):
+            ti, tp = cols["top_i"][j], cols["top_p"][j]
+            row = {
+                "index": start + j,
+                "predicted": ti[0],
+                "predicted_name": names[ti[0]],
+                "top5": [list(pair) for pair in zip(ti, tp, strict=True)],
+                "max_prob": tp[0],
+                "entropy": cols["entropy"][j],
+            }
+            if labels is not None:
+                row["label"] = cols["label"][j]
+            for key in extra:
+                row[key] = cols[key][j]
+            yield row

@@ -1,0 +1,278 @@
+"""The post-hoc methods: one registry entry each (timm-style ``create_*`` by name).
+
+Every method obeys one contract:
+
+* a **settings** dataclass — typed fields with defaults, validated in ``__post_init__`` with
+  messages that name the settings (never a CLI flag);
+* ``fit(source, settings) → Posterior`` with ``source`` a :class:`~bayescli.fit_source.FitSource`
+  (model, fitting data, validation data, device; features computed once);
+* the :class:`~bayescli.posterior.base.Posterior` class that reads its files back;
+* optionally ``train(model_spec, train, val, settings, device) → (classifier, checkpoint
+  metadata, posterior)``, the from-scratch trainer behind ``bayescli train --method``.
+
+Adding a method is one :data:`REGISTRY` entry. Entries hold ``module:attribute`` strings, so
+importing the registry imports no method (start-up stays light). The CLI derives its per-method
+options and ``--set NAME=VALUE`` from the settings dataclass, and ``bayescli.methods()`` /
+``bayescli.settings(name)`` read this table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from bayescli.errors import BayescliError
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One post-hoc method.
+
+    ``posterior_method`` is the ``method`` entry its files carry (several entries may share one:
+    the Laplace variants all write ``laplace`` files); ``defaults`` override the settings'
+    field defaults (a variant is an entry with other defaults).
+    """
+
+    name: str
+    summary: str
+    settings: str
+    fit: str
+    posterior: str
+    posterior_method: str
+    train: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def _entry(name: str, summary: str, module: str, settings: str, posterior: str, **kw: Any) -> MethodEntry:
+    return MethodEntry(
+        name,
+        summary,
+        settings=f"{module}:{settings}",
+        fit=f"{module}:fit",
+        posterior=f"{module}:{posterior}",
+        posterior_method=kw.pop("posterior_method", name),
+        **kw,
+    )
+
+
+_LAPLACE = "bayescli.laplace_fit"
+_VI = "bayescli.posterior.vi"
+_TRAINING = "bayescli.training"
+
+REGISTRY: dict[str, MethodEntry] = {
+    entry.name: entry
+    for entry in (
+        _entry(
+            "laplace",
+            "Laplace approximation (GGN/EF curvature, Kronecker-factored by default) [003, 004]",
+            _LAPLACE,
+            "LaplaceSettings",
+            "LaplacePosterior",
+        ),
+        _entry(
+            "laplace-diag",
+            "Laplace, diagonal curvature",
+            _LAPLACE,
+            "LaplaceSettings",
+            "LaplacePosterior",
+            posterior_method="laplace",
+            defaults={"hessian": "diag"},
+        ),
+        _entry(
+            "laplace-kron",
+            "Laplace, Kronecker-factored (KFAC) curvature",
+            _LAPLACE,
+            "LaplaceSettings",
+            "LaplacePosterior",
+            posterior_method="laplace",
+            defaults={"hessian": "kron"},
+        ),
+        _entry(
+            "laplace-full",
+            "Laplace, full curvature (small heads)",
+            _LAPLACE,
+            "LaplaceSettings",
+            "LaplacePosterior",
+            posterior_method="laplace",
+            defaults={"hessian": "full"},
+        ),
+        _entry(
+            "temperature",
+            "Temperature scaling of the MAP logits (the calibration baseline; zero variance)",
+            "bayescli.posterior.temperature",
+            "TemperatureSettings",
+            "TemperaturePosterior",
+        ),
+        _entry(
+            "mnvi",
+            "Moment-propagation natural VI, noise-only or mean-and-noise [002]",
+            f"{_VI}.mnvi",
+            "MNVIConfig",
+            "MNVIPosterior",
+            train=f"{_TRAINING}.mnvi:train",
+        ),
+        _entry(
+            "fsvi",
+            "Function-space VI with a linearised-GP prior [001]",
+            f"{_VI}.fsvi",
+            "FSVIConfig",
+            "FSVIPosterior",
+            train=f"{_TRAINING}.fsvi:train",
+        ),
+        _entry(
+            "dirichlet-fvi",
+            "Dirichlet function-space VI (ensemble, mfvi, map or dropout families) [000]",
+            f"{_VI}.dirichlet_fvi",
+            "DirichletFVIConfig",
+            "DirichletFVIPosterior",
+            train=f"{_TRAINING}.dirichlet_fvi:train",
+        ),
+        _entry(
+            "glm-vi",
+            "VI on the linearised network (natural-gradient Gaussian, diag or full) [003]",
+            f"{_VI}.glm_vi",
+            "GLMVIConfig",
+            "GLMVIPosterior",
+            train=f"{_TRAINING}.glm_vi:train",
+        ),
+        _entry(
+            "ggp-vi",
+            "Sparse variational GP with the network's GGP kernel [003]",
+            f"{_VI}.ggp_vi",
+            "GGPVIConfig",
+            "GGPVIPosterior",
+            train=f"{_TRAINING}.ggp_vi:train",
+        ),
+        _entry(
+            "bbb",
+            "Bayes by Backprop, mean-field weight-space VI (a baseline of [003])",
+            f"{_VI}.bbb",
+            "BBBConfig",
+            "BBBPosterior",
+            train=f"{_TRAINING}.bbb:train",
+        ),
+    )
+}
+
+
+def _attribute(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def methods() -> list[str]:
+    """Every registered post-hoc method, in registry order."""
+    return list(REGISTRY)
+
+
+def method_entry(name: str) -> MethodEntry:
+    """The entry of ``name``; an unknown name is an error listing the known ones."""
+    key = name.value if isinstance(name, Enum) else str(name)
+    if key not in REGISTRY:
+        raise BayescliError(f"unknown method '{key}'; the methods are {', '.join(REGISTRY)}")
+    return REGISTRY[key]
+
+
+def settings_class(name: str) -> type:
+    """The settings dataclass of method ``name``."""
+    return _attribute(method_entry(name).settings)
+
+
+def fit_function(name: str) -> Any:
+    """``fit(source, settings) → Posterior`` of method ``name``."""
+    return _attribute(method_entry(name).fit)
+
+
+def train_function(name: str) -> Any:
+    """The from-scratch trainer of method ``name`` (an error if it has none)."""
+    entry = method_entry(name)
+    if entry.train is None:
+        trainable = [n for n, e in REGISTRY.items() if e.train is not None]
+        raise BayescliError(f"{name} has no from-scratch trainer; methods that train: {', '.join(trainable)}")
+    return _attribute(entry.train)
+
+
+def posterior_class_name(method: str) -> str:
+    """``module:Class`` reading posterior files whose ``method`` entry is ``method``."""
+    for entry in REGISTRY.values():
+        if entry.posterior_method == method:
+            return entry.posterior
+    known = sorted({e.posterior_method for e in REGISTRY.values()})
+    raise BayescliError(f"unknown posterior method '{method}'; this bayescli reads {', '.join(known)}")
+
+
+def setting_fields(name: str) -> dict[str, dataclasses.Field]:
+    """The settings' fields by name (public ones: a leading underscore marks internal state)."""
+    return {f.name: f for f in dataclasses.fields(settings_class(name)) if not f.name.startswith("_")}
+
+
+def create_settings(name: str, settings: Any = None, **values: Any) -> Any:
+    """Method ``name``'s settings: ``settings`` (an instance, or ``None`` for the defaults, with
+    the entry's variant defaults) with ``values`` replacing fields. An unknown field is an error
+    naming the method's settings; values are validated by the dataclass."""
+    cls = settings_class(name)
+    fields = setting_fields(name)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise BayescliError(
+            f"{name} has no setting {', '.join(unknown)}; its settings: {', '.join(sorted(fields))}"
+        )
+    if settings is not None:
+        if not isinstance(settings, cls):
+            raise BayescliError(f"{name} takes {cls.__name__} settings, got {type(settings).__name__}")
+        return dataclasses.replace(settings, **values) if values else settings
+    return cls(**{**method_entry(name).defaults, **values})
+
+
+def parse_setting(name: str, setting: str, text: str) -> Any:
+    """``text`` as the type of ``name``'s setting ``setting`` (``--set setting=text``)."""
+    fields = setting_fields(name)
+    if setting not in fields:
+        raise BayescliError(f"{name} has no setting '{setting}'; its settings: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(settings_class(name))
+    return _convert(text, hints[setting], setting)
+
+
+def _convert(text: str, annotation: Any, setting: str) -> Any:
+    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    if text.lower() in ("none", "null") and type(None) in options:
+        return None
+    for kind in options:
+        if kind is type(None):
+            continue
+        try:
+            if kind is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError(text)
+            if isinstance(kind, type) and issubclass(kind, Enum):
+                return kind(text)
+            if kind in (int, float):
+                return kind(text)
+            if kind is str:
+                return text
+        except ValueError:
+            continue
+    raise BayescliError(f"setting {setting} cannot be '{text}' (it takes {_describe(annotation)})")
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _describe(annotation: Any) -> str:
+    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    names = []
+    for kind in options:
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            names.append(" | ".join(repr(m.value) for m in kind))
+        else:
+            names.append(getattr(kind, "__name__", str(kind)))
+    return " or ".join(names)
