@@ -8,6 +8,7 @@ The Python API (an ``nn.Module`` and a ``DataLoader`` in hand)::
     post.save("laplace.safetensors"); post = bayescli.load("laplace.safetensors", model=net)
     report = bayescli.evaluate([post], test_loader, ood=[ood_loader])
     bayescli.methods(); bayescli.settings("laplace")
+    board, posteriors = bayescli.select(net, train_loader, val_loader, ood=[ood_loader])
 
 Lower-level pieces are importable from the top level too::
 
@@ -54,6 +55,7 @@ _EXPORTS = {
     "precision": "bayescli.predictive.dirichlet",
     "predict": "bayescli.predictive.glm",
     "ResizeWarning": "bayescli.errors",
+    "select": "bayescli.api",
     "settings": "bayescli.api",
     "uncertainty_topk": "bayescli.predictive.topk",
     "variance": "bayescli.predictive.dirichlet",

@@ -213,7 +213,7 @@ def fit(
     """
     loaded = as_model(model, head=head, checkpoint=checkpoint, preprocess=preprocess)
     num_classes = loaded.classifier.num_classes
-    fit_data = as_data(data, name="data", preprocess=loaded.preprocess, class_names=loaded.class_names)
+    fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=loaded.class_names)
     val_data = None
     if val is not None:
         val_data = as_data(val, name="val", preprocess=loaded.preprocess, class_names=loaded.class_names)
@@ -224,6 +224,8 @@ def fit(
     if loaded.spec.kind == MEMORY_KIND:  # what bayescli.load checks a module against
         post.meta["architecture"] = loaded.metadata["architecture"]
     post.model = loaded
+    # in-memory sets have no spec to reload: evaluate's detectors and temperature reuse them
+    post.fit_data, post.val_data = fit_data, val_data
     return post
 
 
@@ -325,11 +327,17 @@ def evaluate(
     rotation: Any = None,
     corruption: Any = None,
     fgsm: Any = None,
+    fit_data: DataLike | None = None,
+    val_data: DataLike | None = None,
     **options: Any,
 ) -> dict:
     """The report ``bayescli evaluate`` writes (same schema) for ``posteriors`` on labelled
     ``data`` and optional OOD sets (loaders, tensors, ``Data`` or specs); ``options`` are the
-    evaluate command's options as keywords (see :func:`bayescli.evaluation.evaluate`)."""
+    evaluate command's options as keywords (see :func:`bayescli.evaluation.evaluate`).
+
+    The OOD detectors fit on ``fit_data`` and ``temp`` on ``val_data`` (default: the sets the first
+    posterior was fitted and validated on — in memory for a posterior from :func:`fit`, else the
+    specs its file records)."""
     from bayescli.evaluation import evaluate as run_evaluation
 
     if isinstance(posteriors, Posterior):
@@ -340,11 +348,18 @@ def evaluate(
     for post in posts:
         if getattr(post, "model", None) is None:
             post.model = loaded
-    test = as_data(data, name="data", preprocess=loaded.preprocess, class_names=loaded.class_names)
+    test = as_data(data, name="test", preprocess=loaded.preprocess, class_names=loaded.class_names)
     ood_sets = [
         d if isinstance(d, str) else as_data(d, name=f"ood{i}", preprocess=loaded.preprocess)
         for i, d in enumerate(ood)
     ]
+    fit_data = fit_data if fit_data is not None else getattr(posts[0], "fit_data", None)
+    val_data = val_data if val_data is not None else getattr(posts[0], "val_data", None)
+    for key, given in (("fit_data", fit_data), ("val_data", val_data)):
+        if given is not None:
+            options[key] = (
+                given if isinstance(given, str) else as_data(given, name=key, preprocess=loaded.preprocess)
+            )
     return run_evaluation(
         posteriors,
         test,
@@ -355,3 +370,43 @@ def evaluate(
         fgsm=fgsm,
         **options,
     )
+
+
+def select(
+    model: ModelLike,
+    data: DataLike,
+    val: DataLike,
+    *,
+    methods: Sequence[str] | None = None,
+    ood: dict[str, DataLike] | Sequence[DataLike] = (),
+    select_by: str = "nll",
+    head: str | None = None,
+    preprocess: Preprocess | None = None,
+    device: torch.device | str = "cpu",
+    batch_size: int = 256,
+    out_dir: str | Path | None = None,
+) -> tuple[dict, dict[str, Posterior]]:
+    """Which posterior should ``model`` use? Fit every method (default: ``select``'s list) on one
+    backbone pass of ``data``, each tuned on the held-out ``val``, score them and MAP on ``val``
+    (and AUROC against each ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` |
+    ``brier`` | ``auroc``). Returns the leaderboard (``bayescli select``'s ``leaderboard.json``)
+    and the posteriors by method; ``out_dir`` also writes their files."""
+    from bayescli.model_selection import DEFAULT_METHODS, SelectOptions
+    from bayescli.model_selection import select as run_select
+
+    loaded = as_model(model, head=head, preprocess=preprocess)
+    names = loaded.class_names
+    fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=names)
+    val_data = as_data(val, name="val", preprocess=loaded.preprocess, class_names=names)
+    for d in (fit_data, val_data):
+        check_labels(d, loaded.classifier.num_classes)
+    sets = ood if isinstance(ood, dict) else {f"ood{i}": d for i, d in enumerate(ood)}
+    ood_sets = {
+        name: as_data(d, name=name, preprocess=loaded.preprocess).drop_labels() for name, d in sets.items()
+    }
+    source = FitSource(loaded, fit_data, val_data, device, batch_size)
+    options = SelectOptions(list(methods or DEFAULT_METHODS), select_by)
+    board, posts = run_select(source, ood_sets, options, out_dir=None if out_dir is None else Path(out_dir))
+    for post in posts.values():
+        post.model, post.fit_data, post.val_data = loaded, fit_data, val_data
+    return board, posts

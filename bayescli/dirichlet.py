@@ -58,7 +58,10 @@ def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
         raise BayescliError("the Laplace bridge needs at least 2 classes")
     t = mu + (torch.logsumexp(-mu, dim=-1, keepdim=True) - 2 * math.log(k))
     const = 1 - 2 / k
-    var = var.clamp_min(1e-300)
+    # A point mass (zero logit variance: temperature scaling, a MAP fallback) has no bridge: α → ∞.
+    # The floor keeps α₀ ≤ ~1e300 and its mean finite, so a report shows the degenerate Dirichlet
+    # (with its near-zero-variance note) instead of NaN; real variances are far above it.
+    var = var.clamp_min(1e-30)
     # Where e^t is finite (t < 700) the direct form is exact and cheapest. On the CPU one look at
     # max t picks the form for the whole block; on a GPU that look would stall the queue, so
     # both forms are evaluated and merged elementwise (a few more passes over [N, K]).

@@ -18,6 +18,7 @@ held-out data scores the GLM predictive (a link over the logit Gaussian).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from enum import Enum
 
@@ -145,6 +146,7 @@ def fit(source: FitSource, settings: LaplaceSettings) -> LaplacePosterior:
     ``meta["selection"]`` (validated or not, as every method writes it).
     """
     s = settings
+    start = time.perf_counter()
     rule = s.prior_precision
     validate = rule is PriorRule.VALIDATION or (rule is None and source.val is not None)
     require(
@@ -177,6 +179,7 @@ def fit(source: FitSource, settings: LaplaceSettings) -> LaplacePosterior:
     post.meta["backend"] = s.backend.value
     if validate:
         _select_prior(post, source, s)
+        post.meta["fit_seconds"] = time.perf_counter() - start  # the curvature and the selection
     elif isinstance(rule, float):
         post.meta["selection"] = unvalidated("prior_precision", rule, "given", fixed=True)
     else:

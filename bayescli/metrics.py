@@ -230,22 +230,35 @@ MI_DEGENERATE = 1e-6
 
 
 def near_zero_variance_warning(
-    method: str, mean_alpha0: float, mean_mi: float | None, prior_precision: float | None = None
+    method: str,
+    mean_alpha0: float,
+    mean_mi: float | None,
+    prior_precision: float | None = None,
+    validated: bool = False,
 ) -> str | None:
     """A warning when a bridge method's mean Dirichlet precision ``α₀`` is astronomically large
     (> 1e8, or not finite) or its mean mutual information vanishes (< 1e-6), else ``None``.
 
-    Such a posterior's logit variances are ≈ 0 (its prior precision δ is very large): its
-    predictive is the MAP network's, and ``α₀``, MI and the epistemic scores carry no information.
+    Such a posterior's logit variances are ≈ 0 (a very large prior precision δ, or a point mass
+    such as temperature scaling): its predictive is the MAP network's, and ``α₀``, MI and the
+    epistemic scores carry no information. ``validated``: held-out selection chose it (MAP was best
+    there), so the advice is not to refit.
     """
     big = not math.isfinite(mean_alpha0) or mean_alpha0 > ALPHA0_DEGENERATE
     flat = mean_mi is not None and mean_mi < MI_DEGENERATE
     if not (big or flat):
         return None
     mi = "" if mean_mi is None else f", mean mutual information {mean_mi:.3g}"
-    delta = "" if prior_precision is None else f" (δ = {prior_precision:.3g})"
+    if validated:
+        cause = "held-out selection chose the MAP limit (no setting beat MAP on validation data)"
+        advice = "rank it by its probabilities, not by those scores"
+    elif prior_precision is not None:
+        cause = f"the prior precision is very large (δ = {prior_precision:.3g})"
+        advice = "refit with a smaller prior precision, or choose it on validation data"
+    else:
+        cause = "the posterior is a point mass"
+        advice = "use a posterior with logit variance for epistemic scores"
     return (
-        f"{method}: mean α₀ {mean_alpha0:.3g}{mi}: the posterior's logit variance is near zero, the "
-        f"prior precision is very large{delta}, so the posterior is the MAP point; its uncertainty "
-        "scores (α₀, MI) say nothing (refit with a smaller or tuned prior precision)"
+        f"{method}: mean α₀ {mean_alpha0:.3g}{mi}: the posterior's logit variance is near zero and "
+        f"{cause}, so it is the MAP point; its uncertainty scores (α₀, MI) say nothing ({advice})"
     )

@@ -162,13 +162,12 @@ def select(
 
 
 def _chosen(post: Posterior) -> dict:
+    """The hyperparameters selection chose, and whether the result is the MAP point itself."""
     sel = post.meta.get("selection") or {}
     out = {"validated": bool(sel.get("validated"))}
     if sel.get("setting"):
         out[sel["setting"]] = sel.get("chosen")
-    for axis in sel.get("axes", []) if isinstance(sel.get("axes"), list) else []:
-        if isinstance(axis, dict) and axis.get("setting"):
-            out[axis["setting"]] = axis.get("chosen")
+    out["map_point"] = bool(sel.get("map_fallback") or sel.get("map_point"))
     return out
 
 

@@ -34,15 +34,13 @@ from bayescli.fit_source import FitSource  # noqa: E402
 from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
 from bayescli.options import Subset  # noqa: E402
 from bayescli.posterior.base import load_posterior  # noqa: E402
-from bayescli.posterior.vi.dirichlet_fvi import (  # noqa: E402
+from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, default_tau, fit  # noqa: E402
+from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
+from bayescli.posterior.vi.dirichlet_fvi_posterior import (  # noqa: E402
     CACHE_CHUNK_ELEMENTS,
     PREDICT_CHUNK_ELEMENTS,
-    DirichletFVIConfig,
     DirichletFVIPosterior,
-    default_tau,
-    fit,
 )
-from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits, init_head  # noqa: E402
 
 D, K, N_TRAIN, N_TEST = 2048, 1000, 20_000, 10_000

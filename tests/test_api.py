@@ -158,3 +158,35 @@ def test_data_in_every_form_gives_the_same_prediction(digits_parts):
         post.predict(3.0)
     with pytest.raises(BayescliError, match="has no labels; fitting a posterior needs labelled data"):
         bayescli.fit(module, x, "laplace", preprocess=preprocess)
+
+
+def test_select_on_a_module_and_loaders(digits_parts):
+    module, preprocess, loaders = digits_parts
+    board, posts = bayescli.select(
+        module,
+        loaders["train"],
+        loaders["val"],
+        methods=["laplace-diag", "temperature"],
+        preprocess=preprocess,
+    )
+    assert set(posts) == {"laplace-diag", "temperature"} and board["best"] in posts
+    rows = board["methods"]
+    assert board["best"] == min(rows, key=lambda m: rows[m]["nll"])
+    assert all(row["hyperparameters"]["validated"] for row in rows.values())
+    probs = posts[board["best"]].predict(loaders["val"]).probs
+    assert probs.shape == (len(loaders["val"].dataset), 10)
+
+
+def test_evaluate_returns_the_report_the_cli_writes(digits_posterior, cli, tmp_path):
+    import json
+
+    args = ["--methods", "map,glm-probit", "--ood-scores", "msp"]
+    res = cli(
+        "evaluate", "--posterior", digits_posterior, "--data", "digits:test", *args, "--json", "--quiet"
+    )
+    assert res.code == 0, res.err
+    from_cli = json.loads(res.out)["results"]
+    report = bayescli.evaluate(
+        bayescli.load(digits_posterior), "digits:test", methods="map,glm-probit", ood_scores="msp"
+    )
+    assert report["results"]["in_distribution"] == from_cli["in_distribution"]

@@ -193,7 +193,7 @@ def test_dirichlet_fvi_predictive_on_the_device_equals_cpu_in_few_large_chunks(
     # Minka's fixed point reads its active-row count back once per iteration and chunk: on a GPU
     # the predictive uses one chunk per matmul block, not the CPU's cache-sized sub-chunks (cut
     # to ~20 inputs here, so that sub-chunking would read back per 20 inputs: 18 vs 6 chunks).
-    monkeypatch.setattr("bayescli.posterior.vi.dirichlet_fvi.CACHE_CHUNK_ELEMENTS", 2000)
+    monkeypatch.setattr("bayescli.posterior.vi.dirichlet_fvi_posterior.CACHE_CHUNK_ELEMENTS", 2000)
     post = tmp_path / "dfvi.safetensors"
     fit = cli("fit-vi", "--method", "dirichlet-fvi", "--model", "builtin:small-cnn", "--checkpoint",
               digits_ckpt, "--data", "digits:train", "--out", post, "--device", "cpu", "--quiet")  # fmt: skip

@@ -31,7 +31,6 @@ from bayescli.posterior.vi.dirichlet_fvi import (
     PRINCIPLED_RULE,
     TAU_GRID,
     DirichletFVIConfig,
-    DirichletFVIPosterior,
     default_tau,
     dirichlet_nll,
     fit,
@@ -43,6 +42,7 @@ from bayescli.posterior.vi.dirichlet_fvi_objective import (
     parse_beta,
     posterior_alpha,
 )
+from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits
 from bayescli.predictive.dirichlet import bridge_alpha, laplace_bridge
 from bayescli.predictive.links import apply_link

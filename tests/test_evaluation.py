@@ -671,7 +671,14 @@ def test_a_near_zero_variance_bridge_posterior_is_explained():
             "glm-bridge": MethodOutput(torch.full((n, 2), 0.5), bridge, {}),
         }
 
-    post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": 1e8})}
+    post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": 1e8}, meta={})}
     lines = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
     assert len(lines) == 1 and lines[0].startswith("glm-bridge: mean α₀ 3.1e+15") and "δ = 1e+08" in lines[0]
+    assert "refit with a smaller prior precision" in lines[0]
     assert degenerate_posteriors(methods, outs(40.0, 0.02), post) == []
+    # chosen on validation data: the MAP limit was the best there, so no advice to refit
+    post["post"].meta["selection"] = {"validated": True}
+    (line,) = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
+    assert "held-out selection chose the MAP limit" in line and "refit" not in line
+    point = near_zero_variance_warning("glm-bridge", 1e46, 1e-15)
+    assert "point mass" in point

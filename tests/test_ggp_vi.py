@@ -23,7 +23,8 @@ from bayescli.metrics import accuracy, nll
 from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.laplace import fit_laplace
-from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit, whitening
+from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit
+from bayescli.posterior.vi.svgp import whitening
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.glm import predict
 from bayescli.training.classifier import TrainConfig, train_classifier

@@ -246,6 +246,39 @@ def model_options(
     return ModelOptions(model, checkpoint, head, checkpoint_key, list(model_args or []), output, preprocess)
 
 
+def option_groups(params: dict[str, Any]) -> tuple[ModelOptions, DataOptions]:
+    """The model option group (with the preprocessing options) and the data option group, read by
+    name from a command's parameters (``typer.Context.params``): the options are declared once
+    here and every fitting command passes them on the same way."""
+    pre = preprocess_from_options(
+        params["preprocess"],
+        params["model"],
+        params["mean"],
+        params["std"],
+        params["resize"],
+        params["crop"],
+        params["interpolation"],
+    )
+    models = model_options(
+        model=params["model"],
+        checkpoint=params["checkpoint"],
+        head=params["head"],
+        checkpoint_key=params["checkpoint_key"],
+        model_args=params["model_args"],
+        output=params["output"],
+        preprocess=pre,
+    )
+    data = data_options(
+        data_root=params["data_root"],
+        download=params["download"],
+        limit=params["limit"],
+        seed=params["seed"],
+        num_workers=params["num_workers"],
+        skip_unreadable=params["skip_unreadable"],
+    )
+    return models, data
+
+
 def model_facts(loaded: LoadedModel) -> dict:
     """What a fit summary says about how the checkpoint was read: the head, a non-default output
     (selected element, log-probabilities), and the format, container, prefixes and arguments."""

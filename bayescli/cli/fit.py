@@ -13,6 +13,7 @@ from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Pre
 
 
 def fit_laplace_cmd(
+    ctx: typer.Context,
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train (required).")],
     model: Annotated[
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
@@ -101,24 +102,7 @@ def fit_laplace_cmd(
         refine_steps=refine_mode,
         seed=seed,
     )
-    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
-    models = c.model_options(
-        model=model,
-        checkpoint=checkpoint,
-        head=head,
-        checkpoint_key=checkpoint_key,
-        model_args=model_args,
-        output=output,
-        preprocess=pre,
-    )
-    data_opts = c.data_options(
-        data_root=data_root,
-        download=download,
-        limit=limit,
-        seed=seed,
-        num_workers=num_workers,
-        skip_unreadable=skip_unreadable,
-    )
+    models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device, sharded=True)
     with c.low_accuracy_seen() as seen:
         run = fit_from_specs(

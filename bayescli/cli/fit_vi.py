@@ -70,6 +70,7 @@ InducingPointsOpt = Annotated[int | None, Opt(min=1, help="GGP VI: inducing poin
 
 
 def fit_vi_cmd(
+    ctx: typer.Context,
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train (required).")],
     model: Annotated[
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
@@ -179,24 +180,7 @@ def fit_vi_cmd(
         "seed": seed,
     }
     settings = vi_settings(method, options, setting or [])
-    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
-    models = c.model_options(
-        model=model,
-        checkpoint=checkpoint,
-        head=head,
-        checkpoint_key=checkpoint_key,
-        model_args=model_args,
-        output=output,
-        preprocess=pre,
-    )
-    data_opts = c.data_options(
-        data_root=data_root,
-        download=download,
-        limit=limit,
-        seed=seed,
-        num_workers=num_workers,
-        skip_unreadable=skip_unreadable,
-    )
+    models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device)
     with c.low_accuracy_seen() as seen:
         run = fit_from_specs(

@@ -14,6 +14,7 @@ SELECT_CRITERIA = ("nll", "ece", "brier", "auroc")
 
 
 def select_cmd(
+    ctx: typer.Context,
     data: Annotated[str, typer.Option(help="Fitting data spec, e.g. digits:train (required).")],
     model: Annotated[
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
@@ -83,24 +84,7 @@ def select_cmd(
         raise BayescliError("select chooses on held-out data: pass --val-data SPEC or --val-split FRACTION")
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods else list(DEFAULT_METHODS)
     options = SelectOptions(names, select_by, seed=seed)
-    pre = c.preprocess_from_options(preprocess, model, mean, std, resize, crop, interpolation)
-    models = c.model_options(
-        model=model,
-        checkpoint=checkpoint,
-        head=head,
-        checkpoint_key=checkpoint_key,
-        model_args=model_args,
-        output=output,
-        preprocess=pre,
-    )
-    data_opts = c.data_options(
-        data_root=data_root,
-        download=download,
-        limit=limit,
-        seed=seed,
-        num_workers=num_workers,
-        skip_unreadable=skip_unreadable,
-    )
+    models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device)
     loaded = models.load()
     fit_data = data_opts.load(data, loaded.preprocess)
@@ -138,7 +122,13 @@ def select_cmd(
     rows = [["MAP", *(board["map"][k] for k in ("accuracy", "nll", "ece", "brier"))]]
     rows[0] += [board["map"]["auroc"][o] for o in ood_cols] + ["", None]
     for name, row in board["methods"].items():
-        chosen = ", ".join(f"{k}={c.fmt(v)}" for k, v in row["hyperparameters"].items() if k != "validated")
+        hyper = row["hyperparameters"]
+        chosen = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in hyper.items()
+            if k not in ("validated", "map_point")
+        )
+        chosen = f"MAP point ({chosen})" if hyper.get("map_point") else chosen
         rows.append(
             [
                 name + (" ★" if name == board["best"] else ""),

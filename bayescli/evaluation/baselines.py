@@ -49,9 +49,10 @@ FITTED = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react")
 CALIBRATION_FRACTION = 0.5
 
 
-def _fit_spec(posterior: Posterior, bc: BaselineConfig) -> tuple[str, int | None, int]:
-    """Spec, limit and limit seed of the fitting data (``fit_data`` or the recorded one)."""
-    if bc.fit_data:
+def _fit_spec(posterior: Posterior, bc: BaselineConfig) -> tuple[str | Data, int | None, int]:
+    """Spec (or loaded data), limit and limit seed of the fitting data (``fit_data`` or the
+    recorded one)."""
+    if bc.fit_data is not None:
         return bc.fit_data, None, 0
     info = posterior.meta.get("data") or {}
     if not info.get("spec"):
@@ -77,9 +78,12 @@ def overlaps(fit: dict | None, other: dict) -> bool:
     Different sources count as disjoint; the same source overlaps unless the two are different
     splits of one seeded partition (same split seed) or disjoint index ranges of one split. A
     whole source (split ``all``) overlaps each of its splits. Unknown fitting data: no claim.
+    Sets given in memory (the Python API's ``python:NAME``) overlap only under the same name.
     """
     if not fit or not fit.get("spec") or not other.get("spec"):
         return False
+    if str(fit["spec"]).startswith("python:") or str(other["spec"]).startswith("python:"):
+        return fit["spec"] == other["spec"]
     a, b = DataSpec.parse(str(fit["spec"])), DataSpec.parse(str(other["spec"]))
     if (a.name, a.path) != (b.name, b.path):
         return False
@@ -152,7 +156,14 @@ class Baselines:
             self.fit_info = fit[0].info
             self._fit_detectors(wanted, *fit)
         if "temp" in names:
-            val = self.bc.val_data or default_val_spec(_fit_spec(posterior, self.bc)[0], fitted, test)
+            val = self.bc.val_data
+            if val is None:
+                fit_spec = _fit_spec(posterior, self.bc)[0]
+                if isinstance(fit_spec, Data):
+                    raise BayescliError(
+                        "temp needs labelled validation data (`val_data`) beside fitting data given in memory"
+                    )
+                val = default_val_spec(fit_spec, fitted, test)
             data, feats = self._features(val, None, 0, None, "val_forward")
             self.temperature_overlap = [tag for tag, f in fitted.items() if overlaps(f, data.info)]
             if self.temperature_overlap:
@@ -172,10 +183,13 @@ class Baselines:
             self.timings["temperature_fit"] = time.perf_counter() - start
 
     def _features(
-        self, spec: str, limit: int | None, seed: int, cache: Path | None, key: str
+        self, spec: str | Data, limit: int | None, seed: int, cache: Path | None, key: str
     ) -> tuple[Data, Features]:
         cfg = self.cfg
-        data = load_data(spec, cfg.data_root, cfg.download, limit, seed, preprocess=self.model.preprocess)
+        if isinstance(spec, Data):  # given loaded (the Python API's in-memory data)
+            data = spec
+        else:
+            data = load_data(spec, cfg.data_root, cfg.download, limit, seed, preprocess=self.model.preprocess)
         if data.y is not None and len(data.y) and int(data.y.max()) >= self.model.classifier.num_classes:
             raise BayescliError(f"{data.spec} has labels beyond the model's classes; use its own data")
         feats = extract_features(self.model, data, cfg.batch_size, cfg.device, cache)

@@ -44,8 +44,8 @@ class BaselineConfig:
     """Options of the baselines (recorded in the report's protocol)."""
 
     ood_scores: list[str] = field(default_factory=lambda: parse_ood_scores(DEFAULT_OOD_SCORES))
-    fit_data: str | None = None
-    val_data: str | None = None
+    fit_data: str | Data | None = None  # a spec, or data already loaded (the Python API's loaders)
+    val_data: str | Data | None = None
     fit_cache: Path | None = None
     conformal: float | None = None
     fidelity_inputs: int = 256

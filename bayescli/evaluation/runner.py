@@ -204,9 +204,11 @@ def degenerate_posteriors(
         alpha0 = scores["alpha0"].double().mean().item()
         neg_mi = scores.get("neg_mutual_information")
         mi = None if neg_mi is None else -neg_mi.double().mean().item()
-        delta = posteriors[m.posterior].summary().get("prior_precision")
+        post = posteriors[m.posterior]
+        delta = post.summary().get("prior_precision")
         known = isinstance(delta, int | float) and not isinstance(delta, bool)
-        line = near_zero_variance_warning(m.name, alpha0, mi, delta if known else None)
+        validated = bool((post.meta.get("selection") or {}).get("validated"))
+        line = near_zero_variance_warning(m.name, alpha0, mi, delta if known else None, validated)
         if line is not None:
             lines.append(line)
     return lines

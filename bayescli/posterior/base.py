@@ -29,6 +29,7 @@ from bayescli.io import load_tensors, save_tensors
 from bayescli.options import Subset
 
 if TYPE_CHECKING:
+    from bayescli.data import Data
     from bayescli.models import Classifier, LoadedModel
     from bayescli.posterior.gaussian import LogitGaussian
 
@@ -56,6 +57,8 @@ class Posterior(ABC):
     meta: dict
     path: Path | None = None  # the file it was read from, if any
     model: LoadedModel | None = None  # the model it was fitted on or loaded with (Python API)
+    fit_data: Data | None = None  # its fitting and validation sets, when fitted in this process
+    val_data: Data | None = None
 
     @property
     def needs_inputs(self) -> bool:

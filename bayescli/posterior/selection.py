@@ -24,7 +24,10 @@ import torch
 from bayescli.metrics import brier, ece, nll
 from bayescli.options import Criterion
 
-__all__ = ["Criterion", "Selection", "log_grid", "scores", "select_on_grid", "unvalidated"]
+__all__ = ["TIE", "Criterion", "Selection", "log_grid", "scores", "select_on_grid", "unvalidated"]
+
+# Scores within this (relative) of the best are ties; among ties the MAP end of a grid wins.
+TIE = 1e-6
 
 P = TypeVar("P")
 
@@ -48,6 +51,7 @@ class Selection:
     map_scores: dict[str, float] | None = None
     extensions: int = 0
     warning: str | None = None
+    map_point: bool = False  # the choice is the grid's MAP end: the posterior is (numerically) MAP
 
     def record(self) -> dict:
         out = {
@@ -61,6 +65,7 @@ class Selection:
             "principled": self.principled,
             "map_validation": self.map_scores,
             "extensions": self.extensions,
+            "map_point": self.map_point,
         }
         if self.warning:
             out["warning"] = self.warning
@@ -101,9 +106,10 @@ def select_on_grid(
 
     ``candidate(value)`` returns ``(posterior, probs [N, K])`` — the posterior at ``value`` and its
     validation predictive. ``map_side`` (``"low"`` or ``"high"``) says which end of the grid is the
-    MAP limit: reaching it is expected (no warning there when the curve is flat to MAP), the other
-    edge is extended first. A minimum at an edge extends the grid by ``extend_by`` points beyond it,
-    up to ``extensions`` times; if it stays there, :attr:`Selection.warning` says so.
+    MAP limit: the grid is never extended past it, and where the curve is flat to within
+    :data:`TIE` of the best score the MAP end is chosen (the simpler answer; ``map_point``). A
+    minimum at the other edge extends the grid by ``extend_by`` points beyond it, up to
+    ``extensions`` times; if it stays there, :attr:`Selection.warning` says so.
     """
     criterion = Criterion(criterion)
     grid = sorted(float(v) for v in grid)
@@ -122,6 +128,8 @@ def select_on_grid(
     done = 0
     for _ in range(extensions):
         chosen, values = best(), sorted(found)
+        if (map_side == "low" and chosen == values[0]) or (map_side == "high" and chosen == values[-1]):
+            break  # past the MAP end the posterior is MAP to ever more digits
         if chosen == values[0]:
             new = [values[0] / ratio**i for i in range(extend_by, 0, -1)]
         elif chosen == values[-1]:
@@ -132,6 +140,11 @@ def select_on_grid(
         done += 1
     chosen = best()
     values = sorted(found)
+    if map_side in ("low", "high"):
+        end = values[0] if map_side == "low" else values[-1]
+        top = found[chosen][1][criterion.value]
+        if found[end][1][criterion.value] <= top + TIE * max(1.0, abs(top)):
+            chosen = end
     sel = Selection(
         setting,
         criterion,
@@ -144,6 +157,7 @@ def select_on_grid(
     )
     at_edge = len(values) > 1 and chosen in (values[0], values[-1])
     at_map_edge = (map_side == "low" and chosen == values[0]) or (map_side == "high" and chosen == values[-1])
+    sel.map_point = at_map_edge
     if at_edge and not at_map_edge:
         side = "smallest" if chosen == values[0] else "largest"
         sel.warning = (

@@ -22,14 +22,9 @@ from bayescli.errors import require
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.selection import select_on_grid, unvalidated
-from bayescli.posterior.vi.dirichlet_fvi import (
-    TAU_GRID,
-    DirichletFVIConfig,
-    DirichletFVIPosterior,
-    default_tau,
-    index_source,
-)
+from bayescli.posterior.vi.dirichlet_fvi import TAU_GRID, DirichletFVIConfig, default_tau, index_source
 from bayescli.posterior.vi.dirichlet_fvi_objective import optimise, parse_beta
+from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import network_logits
 from bayescli.training.classifier import channel_stats, checkpoint_metadata
 

@@ -76,7 +76,7 @@ class BBBConfig:
     * ``select_by``: the validation criterion (``nll``, ``ece`` or ``brier``).
     """
 
-    subset: str = "all"
+    subset: Subset = Subset.ALL
     prior_precision: float | None = None
     epochs: int = 100
     lr: float = 1e-3
@@ -88,6 +88,10 @@ class BBBConfig:
     select_by: Criterion = Criterion.NLL
 
     def __post_init__(self) -> None:
+        try:
+            self.subset = Subset(self.subset)
+        except ValueError:
+            raise BayescliError(f"subset must be 'last-layer' or 'all', got '{self.subset}'") from None
         require(self.subset == Subset.ALL.value, "bbb places a posterior on every weight; use subset 'all'")
         self.prior_precision = as_float(self.prior_precision, "prior_precision")
         require(

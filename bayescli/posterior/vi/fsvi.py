@@ -134,7 +134,7 @@ class FSVIConfig:
     head_var_init: float = 0.0
     feature_logvar_init: float = -20.0
     kl_classes: int = 64
-    subset: str = "last-layer"
+    subset: Subset = Subset.LAST_LAYER
     epochs: int = 10
     lr: float = 0.0
     batch_size: int = 0
@@ -143,6 +143,10 @@ class FSVIConfig:
     select_by: Criterion = Criterion.NLL
 
     def __post_init__(self) -> None:
+        try:
+            self.subset = Subset(self.subset)
+        except ValueError:
+            raise BayescliError(f"subset must be 'last-layer' or 'all', got '{self.subset}'") from None
         require(
             self.prior_scale is None or self.prior_scale > 0,
             f"prior_scale must be > 0 (None: choose it), got {self.prior_scale}",
@@ -164,10 +168,6 @@ class FSVIConfig:
         require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
         require(self.lr >= 0, f"lr must be ≥ 0 (0 = default), got {self.lr}")
         require(self.batch_size >= 0, f"batch_size must be ≥ 0 (0 = default), got {self.batch_size}")
-        require(
-            self.subset in (s.value for s in Subset),
-            f"subset must be last-layer or all, got '{self.subset}'",
-        )
         require(
             isinstance(self.context, Data | str),
             f"context must be monochrome, augment, a data spec or Data, got {type(self.context).__name__}",

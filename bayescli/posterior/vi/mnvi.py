@@ -107,7 +107,7 @@ class MNVIConfig:
       select_by: the validation criterion of the selection (nll, ece or brier).
     """
 
-    subset: str = "last-layer"
+    subset: Subset = Subset.LAST_LAYER
     variant: str = "noise-only"
     kl_weight: float | None = None
     prior_var: float | None = None
@@ -123,10 +123,11 @@ class MNVIConfig:
     select_by: Criterion = Criterion.NLL
 
     def __post_init__(self) -> None:
+        try:
+            self.subset = Subset(self.subset)
+        except ValueError:
+            raise BayescliError(f"subset must be 'last-layer' or 'all', got '{self.subset}'") from None
         require(self.variant in VARIANTS, f"variant must be {' or '.join(VARIANTS)}, got '{self.variant}'")
-        require(
-            self.subset in ("last-layer", "all"), f"subset must be last-layer or all, got '{self.subset}'"
-        )
         for name in ("kl_weight", "prior_var", "lr", "mean_lr"):
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be positive, got {value}")

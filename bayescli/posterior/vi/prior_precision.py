@@ -14,8 +14,12 @@ No ``δ`` gives back MAP. The prior is centred at zero, not at ``θ*``, and the 
 fitted: as ``δ → ∞`` the mean shrinks to zero with the covariance, and the predictive tends to
 the prior's (uniform for a last layer), not to MAP; as ``δ → 0`` the covariance grows along every
 direction the likelihood leaves flat. So the grid has no MAP end (``map_side`` is not passed);
-MAP's validation scores are recorded beside the curve, and the record warns when every ``δ``
-searched scores worse than MAP.
+MAP's validation scores are recorded beside the curve. The MAP end of the candidate set is instead
+the point mass at ``θ*`` (the variance → 0 limit about the network's own weights): a caller that
+passes ``map_point`` (GLM VI's and GGP VI's post-hoc fits) gets it back when no ``δ`` searched
+scores better than MAP on validation, recorded as ``selection.map_fallback`` with a warning, so a
+selected posterior is never worse than MAP there (as FSVI, :mod:`bayescli.posterior.vi.fsvi`).
+Without ``map_point`` (Bayes by Backprop, the from-scratch trainers) the record only warns.
 """
 
 from __future__ import annotations
@@ -109,11 +113,17 @@ def choose_prior_precision(
     run: Callable[[float], P],
     val: Validation | None,
     grid: Grid | None = None,
+    map_point: Callable[[P], P] | None = None,
+    map_point_label: str = "MAP",
 ) -> tuple[P, dict, dict]:
     """The posterior ``run(δ)`` at the chosen ``δ``, its ``prior`` record and its ``selection`` record.
 
     ``default()`` gives the principled ``δ_0`` (computed only when needed). ``grid`` replaces the
-    grid around ``δ_0`` (the from-scratch trainers' :data:`SELECT_GRID`).
+    grid around ``δ_0`` (the from-scratch trainers' :data:`SELECT_GRID`). ``map_point(best)``, if
+    given, returns the point mass at MAP (``best`` is the best candidate, for its records): it is
+    returned instead when selection ran against MAP's validation scores and no ``δ`` beat them
+    (``selection.map_fallback``; ``map_point_label`` names the point in the warning, e.g. "the MAP
+    head").
     """
     require_validation(select, val is not None)
     if given is not None:
@@ -148,6 +158,19 @@ def choose_prior_precision(
     if selection.map_scores is not None:
         chosen = next(p for p in selection.curve if p[SETTING] == selection.chosen)
         key = criterion.value
+        if chosen[key] > selection.map_scores[key] and map_point is not None:
+            # No δ beats MAP: return MAP itself, the end of the candidate set.
+            post = map_point(post)
+            lo, hi = selection.curve[0][SETTING], selection.curve[-1][SETTING]
+            fallback = (
+                f"no {SETTING} in {lo:.3g}–{hi:.3g} improves on MAP's validation {key} "
+                f"({selection.map_scores[key]:.4g} vs best {chosen[key]:.4g}): the posterior is the point "
+                f"mass at {map_point_label} (zero variances)"
+            )
+            earlier = record.get("warning")
+            record |= {"map_fallback": True, "warning": f"{earlier}; {fallback}" if earlier else fallback}
+            prior = {"value": post.prior_precision, "method": "map-fallback", "objective": val.objective}
+            return post, prior, record
         if chosen[key] > selection.map_scores[key]:
             worse = (
                 f"every {SETTING} searched scores a worse validation {key} than MAP "
