@@ -167,7 +167,10 @@ def _chosen(post: Posterior) -> dict:
     out = {"validated": bool(sel.get("validated"))}
     if sel.get("setting"):
         out[sel["setting"]] = sel.get("chosen")
-    out["map_point"] = bool(sel.get("map_fallback") or sel.get("map_point"))
+    # the grid's MAP end was best, or no value beat MAP and the method fell back to the MAP point
+    fallback = bool(sel.get("map_fallback")) or ("map_limit" in sel and sel.get("chosen") == 0.0)
+    out["map_point"] = fallback or bool(sel.get("map_point"))
+    out["map_fallback"] = fallback
     return out
 
 

@@ -126,9 +126,12 @@ def select_cmd(
         chosen = ", ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in hyper.items()
-            if k not in ("validated", "map_point")
+            if k not in ("validated", "map_point", "map_fallback")
         )
-        chosen = f"MAP point ({chosen})" if hyper.get("map_point") else chosen
+        if hyper.get("map_fallback"):
+            chosen = "MAP point (no value beat MAP)"
+        elif hyper.get("map_point"):
+            chosen = f"MAP end ({chosen})"
         rows.append(
             [
                 name + (" ★" if name == board["best"] else ""),
