@@ -17,10 +17,10 @@ demo:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/bayescli" demo --out-dir $(DEMO_DIR)
 
 test:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks && "$$V/bin/python" -m pytest -q tests
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests
 
 lint:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples
 
 bench:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" benchmarks/run.py

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bayescli.posterior.base import load_posterior
 
@@ -81,3 +82,39 @@ def test_without_held_out_data_the_summary_says_nothing_was_validated(method, cl
     assert "warning: nothing was validated" in res.err
     sel = load_posterior(out).meta["selection"]
     assert sel["validated"] is False and sel["method"] == "default" and sel["rule"]
+
+
+def test_val_split_carves_a_seeded_disjoint_validation_set(cli, digits_ckpt, tmp_path):
+    """For fitting data the net never saw (digits:test here), --val-split holds a fraction out."""
+    from bayescli.data import load_data
+
+    out = tmp_path / "post.safetensors"
+    args = [
+        "fit-laplace",
+        "--model",
+        "builtin:small-cnn",
+        "--checkpoint",
+        digits_ckpt,
+        "--data",
+        "digits:test",
+    ]
+    res = cli(*args, "--val-split", "0.25", "--out", out, "--json")
+    assert res.code == 0, res.err
+    post = load_posterior(out)
+    n = len(load_data("digits:test"))
+    n_val = round(0.25 * n)
+    assert post.n_data == n - n_val and post.meta["selection"]["validated"] is True
+    assert post.meta["validation_data"]["val_split"] == 0.25 and post.meta["data"]["val_split"] == 0.25
+    assert json.loads(res.out)["validation"] == "digits:test"
+    # the carve partitions the rows, seeded
+    from bayescli.fitting import carve_validation
+
+    data = load_data("digits:test")
+    fit, val = carve_validation(data, 0.25, 0)
+    assert len(fit) == n - n_val and len(val) == n_val
+    assert set(fit.index.tolist()).isdisjoint(val.index.tolist())
+    assert set(fit.index.tolist()) | set(val.index.tolist()) == set(data.index.tolist())
+    assert torch.equal(carve_validation(data, 0.25, 0)[1].index, val.index)
+    assert not torch.equal(carve_validation(data, 0.25, 1)[1].index, val.index)
+    res = cli(*args, "--val-split", "0.25", "--val-data", "digits:val", "--out", out)
+    assert res.code == 2 and "give validation data or a val_split, not both" in res.err
