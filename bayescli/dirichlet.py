@@ -26,6 +26,10 @@ def _as_var(cov_or_var: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     raise BayescliError(f"expected covariances [N,{k},{k}] or variances [N,{k}], got {list(c.shape)}")
 
 
+# tr Σ (squared logits) at or below which a logit Gaussian is a point mass for the bridge.
+POINT_MASS_TRACE = 1e-8
+
+
 def correct(
     mean: torch.Tensor, var: torch.Tensor, rowsum: torch.Tensor, correction: BridgeCorrection | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +40,11 @@ def correct(
         return mu, var
     rowsum = rowsum.double()
     total = rowsum.sum(-1, keepdim=True)  # 1ᵀΣ1
-    # A Σ with 1ᵀΣ1 ≈ 0 (e.g. eq. 6's) already lives on the zero-sum subspace: nothing to do.
-    degenerate = total <= 1e-12 * var.sum(-1, keepdim=True)
+    # A Σ with 1ᵀΣ1 ≈ 0 (e.g. eq. 6's) already lives on the zero-sum subspace: nothing to do. Nor
+    # for a (numerically) zero Σ — a point mass, tr Σ ≤ POINT_MASS_TRACE in squared logits: its rounding
+    # noise would otherwise shift μ by (Σ1)(1ᵀμ)/(1ᵀΣ1), a ratio of two noises.
+    var_sum = var.sum(-1, keepdim=True)
+    degenerate = (total <= 1e-12 * var_sum) | (var_sum <= POINT_MASS_TRACE)
     total = total.masked_fill(degenerate, math.inf)  # unconditionally: no host read per chunk
     mu = torch.addcmul(mu, rowsum, mu.sum(-1, keepdim=True) / total, value=-1)
     var = torch.addcmul(var, rowsum, rowsum / total, value=-1)
@@ -61,7 +68,10 @@ def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     # A point mass (zero logit variance: temperature scaling, a MAP fallback) has no bridge: α → ∞.
     # The floor keeps α₀ ≤ ~1e300 and its mean finite, so a report shows the degenerate Dirichlet
     # (with its near-zero-variance note) instead of NaN; real variances are far above it.
-    var = var.clamp_min(1e-30)
+    # A point mass's Σ is rounding noise (exact zeros beside 1e-13s): α = bracket/var would make its
+    # mean one-hot on the zeros. Its rows get the isotropic limit instead: one variance per row.
+    point = var.sum(-1, keepdim=True) <= POINT_MASS_TRACE
+    var = torch.where(point, var.amax(-1, keepdim=True), var).clamp_min(1e-30)
     # Where e^t is finite (t < 700) the direct form is exact and cheapest. On the CPU one look at
     # max t picks the form for the whole block; on a GPU that look would stall the queue, so
     # both forms are evaluated and merged elementwise (a few more passes over [N, K]).

@@ -202,3 +202,26 @@ def test_mutual_information_against_sampling(alpha):
     assert_close(ours, mi_mc, atol=6 * se, what="mutual information vs MC (6 SE)")
     expected_entropy = dirichlet.expected_entropy(torch.tensor([alpha], dtype=torch.float64))[0]
     assert_close(expected_entropy, ent.mean(), atol=6 * se, what="expected entropy vs MC (6 SE)")
+
+
+def test_the_bridge_of_a_point_mass_is_finite_and_isotropic():
+    """A zero-variance posterior's logit 'variances' are rounding noise (zeros beside 1e-13s): the
+    bridge takes the isotropic limit per row (one variance) instead of a one-hot or NaN mean."""
+    from bayescli.dirichlet import bridge_alpha, correct
+    from bayescli.options import DEFAULT_CORRECTION
+
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(6, 10, generator=gen, dtype=torch.float64) * 8
+    noise = torch.zeros(6, 10, dtype=torch.float64)
+    noise[:, ::3] = 1e-13
+    mean = lambda a: a / a.sum(-1, keepdim=True)  # noqa: E731
+    isotropic = mean(bridge_alpha(mu, torch.full_like(mu, 1e-13)))
+    got = mean(bridge_alpha(*correct(mu, noise, noise, DEFAULT_CORRECTION)))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, isotropic, rtol=1e-12, atol=1e-15)
+    # an ordinary posterior's variances are untouched
+    var = torch.rand(6, 10, generator=gen, dtype=torch.float64) + 0.1
+    torch.testing.assert_close(bridge_alpha(mu, var), bridge_alpha(mu, var.clone()))
+    assert not torch.allclose(
+        mean(bridge_alpha(mu, var)), mean(bridge_alpha(mu, var.mean(-1, keepdim=True).expand_as(var)))
+    )

@@ -25,7 +25,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -370,10 +370,13 @@ def fit_mean_field(
     default: Callable[[], Default],
     val: Validation | None,
     grid: Grid | None = None,
+    map_fallback: bool = False,
 ) -> BBBPosterior:
     """BBB from ``classifier``'s weights at the ``δ`` that
     :func:`~bayescli.posterior.vi.prior_precision.choose_prior_precision` picks (``default()`` the
-    principled one, ``val`` the held-out scoring, ``grid`` the search grid)."""
+    principled one, ``val`` the held-out scoring, ``grid`` the search grid). ``map_fallback`` (post
+    hoc): when no ``δ`` beats MAP on validation, the point mass at the checkpoint's weights (zero
+    ``std``) instead — the prior is centred at zero, so no ``δ`` reaches MAP by itself."""
     cfg = settings
     start = time.perf_counter()
 
@@ -390,8 +393,24 @@ def fit_mean_field(
         }
         return post
 
+    def point_mass(best: BBBPosterior) -> BBBPosterior:
+        theta = torch.cat([p.detach().reshape(-1) for p in classifier.net.parameters()])
+        post = replace(best, mean=theta.to(best.mean), std=torch.zeros_like(best.std), meta={})
+        post.meta["vi"] = {
+            "algorithm": "none: the point mass at θ* (no prior_precision beat MAP on validation)"
+        }
+        return post
+
     post, prior, selection = choose_prior_precision(
-        cfg.prior_precision, cfg.select, cfg.select_by, default, run, val, grid
+        cfg.prior_precision,
+        cfg.select,
+        cfg.select_by,
+        default,
+        run,
+        val,
+        grid,
+        point_mass if map_fallback else None,
+        "the MAP weights",
     )
     post.meta["prior"] = prior
     post.meta["selection"] = selection
@@ -421,6 +440,6 @@ def fit(source: FitSource, settings: BBBConfig) -> BBBPosterior:
         delta = fit_laplace(clf, batches=batches, subset=Subset.ALL, structure="diag").prior_precision
         return Default(delta, "laplace-marglik", MARGLIK_RULE)
 
-    post = fit_mean_field(clf, source.data, settings, source.device, default, val)
+    post = fit_mean_field(clf, source.data, settings, source.device, default, val, map_fallback=True)
     post.meta["start"] = "checkpoint"
     return post
