@@ -299,7 +299,7 @@ def predict(
     dev = torch.device(device) if device is not None else _device_of(post)
     x = as_data(data, name="data", preprocess=loaded.preprocess, class_names=loaded.class_names)
     feats = extract_features(loaded, x, batch_size, dev, whole_network=post.needs_inputs)
-    chosen = Link(link) if link is not None else (Link.BRIDGE if post.native_dirichlet else Link.PROBIT)
+    chosen = Link(link) if link is not None else post.default_link
     return glm_predict(
         post,
         feats,

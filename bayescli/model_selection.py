@@ -25,7 +25,7 @@ from bayescli.fit_source import FitSource
 from bayescli.fitting import DataOptions, fit_posterior
 from bayescli.io import write_json
 from bayescli.metrics import accuracy, brier, ece, nll, ood_metrics
-from bayescli.options import Link, Predictive
+from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
 from bayescli.registry import method_entry
@@ -53,10 +53,6 @@ class SelectOptions:
         require(bool(self.methods), "select needs at least one method")
         for name in self.methods:
             method_entry(name)  # an unknown name is an error listing the known ones
-
-
-def _link(post: Posterior) -> Link:
-    return Link.BRIDGE if post.native_dirichlet else Link.PROBIT
 
 
 def score_probs(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -110,7 +106,7 @@ def select(
                 post,
                 feats,
                 Predictive.GLM,
-                _link(post),
+                post.default_link,
                 opts.samples,
                 opts.seed,
                 classifier=source.classifier,
@@ -125,7 +121,7 @@ def select(
             "auroc": {n: _auroc(probs, probs_of(f, ood[n])) for n, f in ood_feats.items()},
             "hyperparameters": _chosen(post),
             "fit_seconds": seconds,
-            "predictive": f"glm-{_link(post).value}",
+            "predictive": f"glm-{post.default_link.value}",
         }
         row["mean_auroc"] = _mean(row["auroc"])
         warning = (post.meta.get("selection") or {}).get("warning")

@@ -32,6 +32,7 @@ def demo(
     from bayescli.evaluation.config import EvalConfig
     from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.runner import run_evaluation
+    from bayescli.features import extract_features
     from bayescli.fit_source import FitSource
     from bayescli.fitting import DataOptions, fit_posterior
     from bayescli.io import write_json
@@ -56,7 +57,7 @@ def demo(
     model = load_classifier("builtin:small-cnn", ckpt)
     # δ chosen on the validation split (the grid runs through marglik's δ up to the MAP limit)
     post = fit_posterior("laplace", FitSource(model, train_data, val_data, dev), seed=seed)
-    test_feats = FitSource(model, test_data, None, dev).features()
+    test_feats = extract_features(model, test_data, device=dev)
     post_path = out_dir / "posterior.safetensors"
     post.save(post_path)
 

@@ -106,7 +106,7 @@ def predict_cmd(
     )
     native = post.native_dirichlet
     if link is None:
-        link = Link.BRIDGE if native else Link.PROBIT
+        link = post.default_link
     # a link other than the bridge reads a native Dirichlet through its Gaussian image
     image = native and link is not Link.BRIDGE and predictive is not Predictive.BNN
     approximation = GAUSSIAN_IMAGE if image else None

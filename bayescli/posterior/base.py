@@ -26,7 +26,7 @@ import torch
 from bayescli._version import __version__
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
-from bayescli.options import Subset
+from bayescli.options import Link, Subset
 
 if TYPE_CHECKING:
     from bayescli.data import Data
@@ -64,6 +64,12 @@ class Posterior(ABC):
     def needs_inputs(self) -> bool:
         """Whether predictions need pixel-space inputs (whole-network posteriors) or features."""
         return self.subset is not Subset.LAST_LAYER
+
+    @property
+    def default_link(self) -> Link:
+        """The link of this posterior's own predictive: the bridge (the Dirichlet mean) for a
+        native-Dirichlet posterior, else probit."""
+        return Link.BRIDGE if self.native_dirichlet else Link.PROBIT
 
     @property
     def label(self) -> str:
