@@ -22,6 +22,7 @@ from bayescli.errors import require
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.selection import select_on_grid, unvalidated
+from bayescli.posterior.vi.budget import MAX_EPOCHS
 from bayescli.posterior.vi.dirichlet_fvi import TAU_GRID, DirichletFVIConfig, default_tau, index_source
 from bayescli.posterior.vi.dirichlet_fvi_objective import optimise, parse_beta
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
@@ -120,7 +121,9 @@ def train(
             return logits, sample(pts)
 
         parameters = [p for c in clfs for p in c.net.parameters()] + list(rho.values())
-        history = optimise(parameters, forward, labels, cfg, tau, beta, f"fVI {spec} τ={tau:g}")
+        history = optimise(
+            parameters, forward, labels, cfg, tau, beta, f"fVI {spec} τ={tau:g}", cfg.epochs or MAX_EPOCHS
+        )
         for c in clfs:
             c.eval()
         if cfg.family == "ensemble":

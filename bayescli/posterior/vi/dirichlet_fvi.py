@@ -69,6 +69,7 @@ from bayescli.features import Features
 from bayescli.fit_source import FitSource
 from bayescli.options import Subset
 from bayescli.posterior.selection import Criterion, log_grid, scores, select_on_grid, unvalidated
+from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA, optimise, parse_beta
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits, head_stds, init_head
@@ -132,7 +133,9 @@ class DirichletFVIConfig:
       only: it keeps ``ln f̃`` finite; 0 makes MAP-fVI exactly label smoothing, test A-2).
     * ``subset``: ``last-layer`` (:func:`fit`; from-scratch training always trains the whole network).
     * ``epochs``, ``lr``, ``batch_size``, ``weight_decay``: Adam, constant learning rate, seeded
-      shuffling (the seed's MNIST setting: lr 1e-3, B = 256, no weight decay for fVI).
+      shuffling (the seed's MNIST setting: lr 1e-3, B = 256, no weight decay for fVI). ``epochs``
+      ``None``: 10, fewer post hoc at large ``N`` (about 256 steps, at least 2 epochs;
+      :func:`~bayescli.posterior.vi.budget.head_epochs`); from scratch 10.
     * ``seed``: initialisation, batch order, masks and noise (also at prediction time).
     * ``select``: choose τ on the validation data. ``None`` (default): post hoc whenever
       validation data is given and ``tau`` is unset; from scratch never. ``True``: required (an
@@ -154,7 +157,7 @@ class DirichletFVIConfig:
     init_scale: float = 0.1
     smoothing: float = GAMMA
     subset: Subset = Subset.LAST_LAYER
-    epochs: int = 10
+    epochs: int | None = None
     lr: float = 1e-3
     batch_size: int = 256
     weight_decay: float = 0.0
@@ -181,7 +184,10 @@ class DirichletFVIConfig:
         require(self.train_samples is None or self.train_samples >= 1, "train_samples must be >= 1")
         require(self.init_scale >= 0, f"init_scale must be >= 0, got {self.init_scale}")
         require(0 <= self.smoothing < 1, f"smoothing must be in [0, 1), got {self.smoothing}")
-        require(self.epochs >= 1 and self.batch_size >= 1, "epochs and batch_size must be >= 1")
+        require(
+            (self.epochs is None or self.epochs >= 1) and self.batch_size >= 1,
+            "epochs and batch_size must be >= 1",
+        )
         require(self.lr > 0, f"lr must be positive, got {self.lr}")
         require(self.normalisation in ("data", "pm1"), "normalisation must be 'data' or 'pm1'")
         require(
@@ -293,6 +299,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
     else:
         extra = []
     n = len(labels)
+    epochs = head_epochs(cfg.epochs, n, cfg.batch_size)
 
     def fit_at(tau: float) -> DirichletFVIPosterior:
         init_gen = torch.Generator().manual_seed(cfg.seed)
@@ -315,7 +322,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
                 pts = extra[0][torch.randint(len(extra[0]), (len(idx),), generator=noise, device=device)]
             return logits, head_logits(cfg.family, params, pts, samples, noise, cfg.dropout)
 
-        history = optimise(list(raw.values()), forward, labels, cfg, tau, beta, f"fVI head τ={tau:g}")
+        history = optimise(list(raw.values()), forward, labels, cfg, tau, beta, f"fVI head τ={tau:g}", epochs)
         params = {name: value.detach().cpu() for name, value in head_stds(raw).items()}
         post = DirichletFVIPosterior(
             cfg.family,
@@ -344,6 +351,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
     settings_record = cfg.record()
     post.meta |= {
         "config": settings_record,
+        "epochs": epochs,
         "index_data": settings_record["index_data"],
         "fit_seconds": time.perf_counter() - start_time,
         "feature_seconds": feats.seconds,

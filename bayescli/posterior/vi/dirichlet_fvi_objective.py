@@ -213,8 +213,10 @@ def optimise(
     tau: float,
     beta: torch.Tensor,
     description: str,
+    epochs: int,
 ) -> list[dict[str, float]]:
-    """Adam over seeded minibatches; ``forward(idx)`` gives batch and extra index logits.
+    """Adam over seeded minibatches for ``epochs`` passes; ``forward(idx)`` gives batch and extra
+    index logits.
 
     Returns per-epoch means of the loss parts (``loss``, ``nll``, ``kl``, ``z``), the largest
     Minka iteration count and the epoch's seconds.
@@ -226,7 +228,7 @@ def optimise(
         opt = torch.optim.Adam(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, float]] = []
-    for epoch in track(range(cfg.epochs), total=cfg.epochs, description=description):
+    for epoch in track(range(epochs), total=epochs, description=description):
         epoch_start = time.perf_counter()
         perm = torch.randperm(n, generator=gen)
         sums: dict[str, float] = {}

@@ -55,6 +55,7 @@ from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import head_parameters
 from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, unvalidated
+from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.fsvi_context import CONTEXT_KINDS, ContextSampler
 from bayescli.posterior.vi.fsvi_objective import expected_nll, function_kl, head_moments, mc_probs
 from bayescli.progress import track
@@ -72,7 +73,7 @@ from bayescli.progress import track
 #   variances at θ0 are ≈ σ_p²: features at θ0 are tiny; measured: training collapses at c = 1000).
 MODE_DEFAULTS = {
     Subset.LAST_LAYER: {"prior_scale": 1.0, "batch_size": 512, "lr": 1e-2},
-    Subset.ALL: {"prior_scale": 300.0, "batch_size": 128, "lr": 3e-3, "head_var_init": 1e-3},
+    Subset.ALL: {"prior_scale": 300.0, "batch_size": 128, "lr": 3e-3, "head_var_init": 1e-3, "epochs": 10},
 }
 # Post hoc: half-decades over 0.1 … 1000 around c = 1 (digits small-cnn, 10 epochs: validation NLL
 # .23 / .098 / .076 / .089 at c = 0.1 / 1 / 10 / 100, minimum near 10); an edge minimum extends it.
@@ -114,7 +115,9 @@ class FSVIConfig:
     * ``kl_classes``: classes whose log-determinant enters the KL per step (a random subset,
       scaled to be unbiased); ``0`` or ``≥ K`` = all classes (default 64: exact up to K = 64).
     * ``subset``: ``last-layer`` (post hoc) or ``all`` (from scratch, :mod:`bayescli.training.fsvi`).
-    * ``epochs``; ``lr`` (Adam, cosine decay to 0 post hoc / one-cycle from scratch as in
+    * ``epochs`` (``0``: 10 from scratch; post hoc 10, fewer at large ``N`` — about 256 steps, at
+      least 2 epochs, :func:`~bayescli.posterior.vi.budget.head_epochs`); ``lr`` (Adam, cosine
+      decay to 0 post hoc / one-cycle from scratch as in
       :func:`bayescli.training.classifier.train_classifier`; ``0``: 1e-2 post hoc, 3e-3 from scratch);
       ``batch_size`` (``0``: 512 post hoc, 128 from scratch); ``seed``.
     * ``select``: choose ``prior_scale`` on validation data. ``None``: post hoc whenever
@@ -135,7 +138,7 @@ class FSVIConfig:
     feature_logvar_init: float = -20.0
     kl_classes: int = 64
     subset: Subset = Subset.LAST_LAYER
-    epochs: int = 10
+    epochs: int = 0
     lr: float = 0.0
     batch_size: int = 0
     seed: int = 0
@@ -165,7 +168,7 @@ class FSVIConfig:
         require(self.samples >= 1, f"samples must be ≥ 1, got {self.samples}")
         require(self.head_var_init >= 0, f"head_var_init must be ≥ 0, got {self.head_var_init}")
         require(self.kl_classes >= 0, f"kl_classes must be ≥ 0, got {self.kl_classes}")
-        require(self.epochs >= 1, f"epochs must be ≥ 1, got {self.epochs}")
+        require(self.epochs >= 0, f"epochs must be ≥ 0 (0 = default), got {self.epochs}")
         require(self.lr >= 0, f"lr must be ≥ 0 (0 = default), got {self.lr}")
         require(self.batch_size >= 0, f"batch_size must be ≥ 0 (0 = default), got {self.batch_size}")
         require(
@@ -474,6 +477,7 @@ def fit_last_layer(
     ``prior_scale`` is chosen on them (see the module docstring); ``post.meta["selection"]``
     records how it was set. Runs on ``phi``'s device and dtype."""
     cfg = cfg.with_defaults(Subset.LAST_LAYER)
+    cfg = replace(cfg, epochs=head_epochs(cfg.epochs or None, len(phi), cfg.batch_size))
     start = time.perf_counter()
     k = head.out_features
     _check_fit_data(phi, labels, k, "fitting")

@@ -7,7 +7,10 @@ and computes the sums of the updates; :func:`natural_gradient_vi` iterates
     Σ⁻¹ ← (1 − β) Σ⁻¹ + β (Σ_n J_nᵀ E[Λ_n] J_n + δ I)        (diag: the diagonal of the bracket)
     μ   ← μ + β Σ_new (Σ_n J_nᵀ E[r_n] − δ μ),
 
-with the expectations of :mod:`bayescli.posterior.vi.softmax_expectations`.
+with the expectations of :mod:`bayescli.posterior.vi.softmax_expectations`. With ``minibatch``
+rows per iteration (stochastic natural-gradient VI) both sums are taken over that many rows,
+drawn without replacement pass by pass, and scaled by ``N/B``: unbiased for the full sums, so the
+fixed point is the same, and the β-weighted averaging pools the draws over ~1/β iterations.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class GLMData:
     @property
     def last_layer(self) -> bool:
         return self.phi is not None
+
+    def rows(self, index: torch.Tensor) -> GLMData:
+        """The rows ``index`` as their own :class:`GLMData` (a minibatch)."""
+        if self.last_layer:
+            return GLMData(self.labels[index], self.num_classes, phi=self.phi[index], bias=self.bias)
+        return GLMData(self.labels[index], self.num_classes, jac=self.jac[index], offset=self.offset[index])
 
     def chunks(self, size: int) -> Iterator[slice]:
         for start in range(0, len(self), size):
@@ -175,8 +184,11 @@ def natural_gradient_vi(
     samples: int = 8,
     seed: int = 0,
     batch_size: int = 1024,
+    minibatch: int | None = None,
 ) -> NGVIResult:
     """Run the natural-gradient iteration from ``N(mean, (curvature + δI)⁻¹)``.
+
+    ``minibatch``: rows per iteration (module doc); ``None`` (or ≥ N) sums over every row.
 
     ``mean`` is ``[K, D(+1)]`` (last layer) or ``[P]``; ``curvature`` has the mean's shape (diag)
     or is ``[P, P]`` (full). The ELBO (its Monte-Carlo estimate when ``K > 2``) is recorded at
@@ -194,21 +206,32 @@ def natural_gradient_vi(
     work = torch.float32 if diag_logits and data.num_classes > 2 else torch.float64
     elbo: list[float] = []
     residuals: dict = {}
+    n = len(data)
+    stochastic = minibatch is not None and minibatch < n
+    order = torch.empty(0, dtype=torch.int64)
     for _ in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
         curv = torch.zeros_like(state.curvature)
         ell = 0.0
         view = state if work == torch.float64 else replace(state, variance=state.variance.to(work))
         mean_w = state.mean.to(work)
-        for sl in data.chunks(batch_size):
-            mean_b = data.logit_mean(mean_w, sl)
-            cov_b = data.logit_cov(view, sl)
+        batch = data
+        if stochastic:
+            if len(order) < minibatch:
+                order = torch.cat([order, torch.randperm(n, generator=gen)])
+            batch, order = data.rows(order[:minibatch]), order[minibatch:]
+        for sl in batch.chunks(batch_size):
+            mean_b = batch.logit_mean(mean_w, sl)
+            cov_b = batch.logit_cov(view, sl)
             e_ll, resid, lam = softmax_expectations(
-                mean_b, cov_b, data.labels[sl], samples, gen, diag_only=diag_logits
+                mean_b, cov_b, batch.labels[sl], samples, gen, diag_only=diag_logits
             )
             ell += float(e_ll.sum())
-            grad += data.gradient(resid, sl)
-            curv += data.curvature(lam, sl, diag)
+            grad += batch.gradient(resid, sl)
+            curv += batch.curvature(lam, sl, diag)
+        if stochastic:
+            scale = n / len(batch)
+            grad, curv, ell = grad * scale, curv * scale, ell * scale
         elbo.append(ell - state.kl())
         g = grad - delta * state.mean
         residuals = {

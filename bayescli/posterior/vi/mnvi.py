@@ -49,6 +49,7 @@ from bayescli.fit_source import FitSource
 from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.selection import Criterion, scores, select_on_grid, unvalidated
+from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.mnvi_objective import (
     fit_head_once,
     fit_network_once,
@@ -83,7 +84,8 @@ class MNVIConfig:
     kl_weight     chosen on validation data (module doc);    2e-7 ([002] LeNet/MNIST)
                   without: κ/N = 1/N (κ = 1: the plain ELBO)
     prior_var     σ² = mean(W_MAP²) of the noisy layers      1e-3 ([002] LeNet/MNIST)
-    epochs        10 last-layer, 2 all layers                20 ([002])
+    epochs        10 last-layer (fewer at large N: about     20 ([002])
+                  256 steps, ≥ 2 epochs), 2 all layers
     lr            1e-2 (ρ moves by ~lr per step)             1e-3 (AMSGrad, [002])
     mean_lr       lr / 10 (keeps the MAP means close)        lr
     batch_size    256 last-layer, 64 all layers              64 ([002])
@@ -146,13 +148,14 @@ class MNVIConfig:
         """A copy with every ``None`` replaced by the default for this fit (table above)."""
         last = self.subset == "last-layer" and not scratch
         lr = self.lr if self.lr is not None else (1e-3 if scratch else 1e-2)
+        batch_size = self.batch_size or (256 if last else 64)
         defaults = {
             "kl_weight": 2e-7 if scratch else 1.0 / n,
             "prior_var": 1e-3 if scratch else mean_sq,
-            "epochs": 20 if scratch else (10 if last else 2),
+            "epochs": 20 if scratch else (head_epochs(None, n, batch_size) if last else 2),
             "lr": lr,
             "mean_lr": lr if scratch else lr / 10,
-            "batch_size": 256 if last else 64,
+            "batch_size": batch_size,
         }
         return replace(
             self, **{k: v if getattr(self, k) is None else getattr(self, k) for k, v in defaults.items()}
