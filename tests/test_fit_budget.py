@@ -23,11 +23,12 @@ from bayescli.posterior.vi.glm_vi import GLMVIConfig
 from bayescli.posterior.vi.glm_vi import fit as fit_glm_vi
 
 
-def test_head_epochs_keep_ten_epochs_on_small_sets_and_about_256_steps_on_large_ones():
+def test_head_epochs_keep_ten_epochs_on_small_sets_and_about_128_steps_on_large_ones():
     assert head_epochs(None, 1_257, 256) == 10  # digits: 5 steps per epoch
-    assert head_epochs(None, 5_000, 256) == 10  # 20 steps per epoch: 200 steps
-    assert head_epochs(None, 20_000, 256) == 4  # 79 steps per epoch: 316 steps
-    assert head_epochs(None, 20_000, 512) == 7  # 40 steps per epoch: 280 steps
+    assert head_epochs(None, 2_560, 256) == 10  # 10 steps per epoch: 100 steps
+    assert head_epochs(None, 5_000, 256) == 7  # 20 steps per epoch: 140 steps
+    assert head_epochs(None, 20_000, 512) == 4  # 40 steps per epoch: 160 steps
+    assert head_epochs(None, 20_000, 256) == 2  # 79 steps per epoch: 158 steps
     assert head_epochs(None, 1_000_000, 256) == 2  # never fewer than 2 passes
     assert head_epochs(3, 20_000, 256) == 3  # a given value is kept
 
@@ -60,7 +61,7 @@ def test_post_hoc_heads_train_the_budgeted_epochs(monkeypatch):
 def test_glm_vi_uses_minibatches_only_above_the_full_batch_size():
     cfg = GLMVIConfig()
     assert cfg.iteration(8_192) == (250, 1e-2, None)
-    assert cfg.iteration(20_000) == (50, 5e-2, 2_048)
+    assert cfg.iteration(20_000) == (50, 5e-2, 1_024)
     assert GLMVIConfig(minibatch=0).iteration(20_000) == (250, 1e-2, None)
     assert GLMVIConfig(covariance="full", minibatch=100, epochs=7).iteration(400) == (7, 5e-3, 100)
 

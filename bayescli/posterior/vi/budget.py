@@ -5,7 +5,7 @@ optimiser *steps*, not passes over the data: the default of 10 epochs was set an
 of a few thousand rows (digits: 30–50 steps, MNIST subsets: up to 200). At 20,000 rows the same
 10 epochs are 790 steps of ``B = 256``, and at a ``2048 → 1000`` head every step is GEMMs.
 :func:`head_epochs` keeps 10 epochs up to :data:`HEAD_STEPS` steps and fewer beyond, never fewer
-than :data:`MIN_EPOCHS` passes, so a large fit still takes ≥ 256 steps (5–8× the digits fits')
+than :data:`MIN_EPOCHS` passes, so a large fit still takes ≥ 128 steps (3–4× the digits fits')
 and sees every row at least twice.
 
 Shorter *candidate* fits for selection (the same objective, the schedule compressed to a few dozen
@@ -21,7 +21,7 @@ import math
 
 MAX_EPOCHS = 10
 MIN_EPOCHS = 2
-HEAD_STEPS = 256
+HEAD_STEPS = 128
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:

@@ -94,10 +94,11 @@ POINT_MASS_PRECISION = 1e30
 
 
 # Fitting sets larger than this iterate on minibatches of MINIBATCH rows (``minibatch=None``); the
-# seed's full-batch iteration costs four [N, D]×[D, K] GEMMs per iteration (2.5 s at 20,000 × 2048
-# → 1000 on 2 cores, 250 iterations per δ).
+# seed's full-batch iteration costs four [N, D]×[D, K] GEMMs and N·K·samples softmax draws per
+# iteration (≈ 7 s at 20,000 × 2048 → 1000 on 2 cores, 250 iterations per δ). With β = 0.05 the
+# update averages ~20 minibatches: one pass over 20,000 rows.
 FULL_BATCH_ROWS = 8192
-MINIBATCH = 2048
+MINIBATCH = 1024
 # On minibatches the step fraction is this many times the seed's, for this many times fewer
 # iterations: (1 − 5β)^(T/5) ≈ (1 − β)^T leaves the same distance to the fixed point (8% diag).
 STOCHASTIC_SPEEDUP = 5
@@ -120,7 +121,7 @@ class GLMVIConfig:
     * ``epochs``: natural-gradient iterations; ``None`` = 250, the seed's (50 on minibatches).
     * ``lr``: the step fraction β; ``None`` = 1e-2 (diag) or 1e-3 (full), the seed's (×5 on
       minibatches: the same distance to the fixed point in 1/5 of the iterations).
-    * ``minibatch``: rows per iteration; ``None`` = every row up to 8,192 fitting rows, 2,048 beyond
+    * ``minibatch``: rows per iteration; ``None`` = every row up to 8,192 fitting rows, 1,024 beyond
       (stochastic natural-gradient VI, unbiased sums scaled by ``N/B``); ``0`` = always every row.
     * ``batch_size``: inputs per chunk of the sums (memory only).
     * ``samples``: Monte-Carlo logit draws per input and iteration when K > 2 (K = 2 is exact).

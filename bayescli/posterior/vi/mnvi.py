@@ -85,7 +85,7 @@ class MNVIConfig:
                   without: κ/N = 1/N (κ = 1: the plain ELBO)
     prior_var     σ² = mean(W_MAP²) of the noisy layers      1e-3 ([002] LeNet/MNIST)
     epochs        10 last-layer (fewer at large N: about     20 ([002])
-                  256 steps, ≥ 2 epochs), 2 all layers
+                  128 steps, ≥ 2 epochs), 2 all layers
     lr            1e-2 (ρ moves by ~lr per step)             1e-3 (AMSGrad, [002])
     mean_lr       lr / 10 (keeps the MAP means close)        lr
     batch_size    256 last-layer, 64 all layers              64 ([002])
