@@ -29,7 +29,7 @@ from bayescli.data import ArrayData, Data
 from bayescli.data.base import Source
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
-from bayescli.fitting import DataOptions, ModelOptions, check_labels, fit_posterior
+from bayescli.fitting import DataOptions, ModelOptions, check_labels, fit_posterior, require_likelihood
 from bayescli.models import LoadedModel, ModelSpec
 from bayescli.posterior.base import Posterior, load_posterior
 from bayescli.preprocess import Preprocess
@@ -212,13 +212,14 @@ def fit(
     The returned posterior remembers the model, so ``post.predict(loader)`` needs nothing else.
     """
     loaded = as_model(model, head=head, checkpoint=checkpoint, preprocess=preprocess)
+    require_likelihood(method, loaded)
     num_classes = loaded.classifier.num_classes
     fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=loaded.class_names)
     val_data = None
     if val is not None:
         val_data = as_data(val, name="val", preprocess=loaded.preprocess, class_names=loaded.class_names)
-        check_labels(val_data, num_classes)
-    check_labels(fit_data, num_classes)
+        check_labels(val_data, num_classes, loaded.likelihood)
+    check_labels(fit_data, num_classes, loaded.likelihood)
     source = FitSource(loaded, fit_data, val_data, device, batch_size)
     post = fit_posterior(method, source, settings, **values)
     if loaded.spec.kind == MEMORY_KIND:  # what bayescli.load checks a module against
@@ -395,6 +396,7 @@ def select(
     from bayescli.model_selection import select as run_select
 
     loaded = as_model(model, head=head, preprocess=preprocess)
+    loaded.require_categorical("select")
     names = loaded.class_names
     fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=names)
     val_data = as_data(val, name="val", preprocess=loaded.preprocess, class_names=names)

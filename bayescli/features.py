@@ -30,7 +30,7 @@ from bayescli.data import Data
 from bayescli.devices import synchronize
 from bayescli.errors import BayescliError, LowAccuracyWarning
 from bayescli.io import load_tensors, save_tensors
-from bayescli.metrics import low_accuracy_warning
+from bayescli.metrics import low_accuracy_warning, map_correct
 from bayescli.models import LoadedModel
 from bayescli.progress import track
 
@@ -196,7 +196,7 @@ class FeatureStream:
         if batch.labels is None:
             self.labelled = False
         else:
-            self._correct += (batch.logits.argmax(1) == batch.labels).sum()
+            self._correct += map_correct(batch.logits, batch.labels).sum()
 
     def _check_finite(self) -> None:
         if not bool(self._finite):
@@ -331,7 +331,7 @@ def logit_pass(
         if yb is None:
             stats.labelled = False
         else:
-            correct += (logits.argmax(1) == yb.to(dev)).sum()
+            correct += map_correct(logits, yb).sum()
     synchronize(dev)
     stats.seconds = time.perf_counter() - start
     if not bool(finite):

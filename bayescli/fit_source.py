@@ -19,6 +19,7 @@ import torch
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features, FeatureStream, extract_features, logit_pass
+from bayescli.metrics import map_correct
 from bayescli.models import Classifier, LoadedModel
 
 
@@ -27,7 +28,8 @@ class FitSource:
     """The inputs of a fit.
 
     * ``model``: the loaded classifier (network, head, preprocessing, provenance).
-    * ``data``: labelled fitting data ``x [N, ...]``, ``y [N]``.
+    * ``data``: labelled fitting data ``x [N, ...]``, ``y [N]`` (``[N, K]`` multi-label for a
+      bernoulli model: the labels must match the model's likelihood).
     * ``val``: labelled held-out data for tuning, disjoint from ``data`` (or ``None``).
     * ``device``, ``batch_size``: where and how many inputs per backbone pass.
     * ``feature_cache``: a directory caching the fitting set's features (see
@@ -49,6 +51,10 @@ class FitSource:
             raise BayescliError(f"{self.data.spec} has no labels; fitting a posterior needs labelled data")
         if self.val is not None and self.val.y is None:
             raise BayescliError(f"{self.val.spec} has no labels; the validation data must be labelled")
+        for data in (self.data, self.val):
+            if data is not None:
+                # which methods fit the model's likelihood is the registry's business (fitting.py)
+                data.check_labels(self.num_classes, self.model.likelihood)
 
     @property
     def classifier(self) -> Classifier:
@@ -96,7 +102,7 @@ class FitSource:
         never split features from the head)."""
         if self.has_features():
             feats = self.features()
-            return int((feats.logits.argmax(1) == feats.labels.to(feats.logits.device)).sum()), len(feats)
+            return int(map_correct(feats.logits, feats.labels).sum()), len(feats)
         if self._stream is not None and self._stream.n:
             return self._stream.correct, self._stream.n
         stats = logit_pass(self.model, self.data, self.batch_size, self.device)

@@ -22,7 +22,7 @@ import torch
 
 from bayescli import parallel
 from bayescli.data import Data, load_data, validation_spec
-from bayescli.errors import BayescliError, LowAccuracyWarning, require
+from bayescli.errors import LowAccuracyWarning, require
 from bayescli.fit_source import FitSource
 from bayescli.metrics import low_accuracy_warning
 from bayescli.models import LoadedModel, load_classifier
@@ -85,13 +85,17 @@ class ModelOptions:
         )
 
 
-def check_labels(data: Data, num_classes: int) -> None:
-    """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier."""
-    if data.y is not None and len(data.y) and int(data.y.max()) >= num_classes:
-        raise BayescliError(
-            f"{data.spec} has labels up to {int(data.y.max())} but the model has {num_classes} "
-            "classes; use data with the model's classes"
-        )
+def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
+    """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier of ``likelihood``
+    (class indices for ``categorical``, multi-label ``[N, K]`` for ``bernoulli``)."""
+    data.check_labels(num_classes, likelihood)
+
+
+def require_likelihood(method: str, loaded: LoadedModel) -> None:
+    """Raise unless ``method`` fits ``loaded``'s likelihood: Laplace fits softmax and multi-label
+    (bernoulli) classifiers, every other method softmax ones only."""
+    if loaded.likelihood not in method_entry(method).likelihoods:
+        loaded.require_categorical(method)
 
 
 def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: Data, val: Data | None = None) -> None:
@@ -147,7 +151,7 @@ def resolve_validation(
     if spec is None:
         return fit_data, None
     val_data = data_options.load(spec, loaded.preprocess, limit=False)
-    check_labels(val_data, loaded.classifier.num_classes)
+    check_labels(val_data, loaded.classifier.num_classes, loaded.likelihood)
     require(val_data.y is not None, f"{spec} has no labels; validation data must be labelled")
     return fit_data, val_data
 
@@ -176,6 +180,7 @@ def fit_posterior(
     Issues :class:`~bayescli.errors.LowAccuracyWarning` when the MAP accuracy on the fitting data
     says the model is fed wrongly (the accuracy is also recorded as ``map_accuracy``).
     """
+    require_likelihood(method, source.model)
     settings = create_settings(method, settings, **values)
     settings = load_setting_data(settings, data_options or DataOptions(), source.model.preprocess)
     start = time.perf_counter()
@@ -256,8 +261,9 @@ def fit_from_specs(
     opts = data_options or DataOptions()
     settings = create_settings(method, settings)
     loaded = model if isinstance(model, LoadedModel) else model.load()
+    require_likelihood(method, loaded)
     fit_data = opts.load(data, loaded.preprocess)
-    check_labels(fit_data, loaded.classifier.num_classes)
+    check_labels(fit_data, loaded.classifier.num_classes, loaded.likelihood)
     fit_data, val_data = resolve_validation(
         loaded, fit_data, opts, val=val, val_split=val_split, required=select_required
     )

@@ -13,6 +13,10 @@ held-out data scores the GLM predictive (a link over the logit Gaussian).
 * :attr:`PriorRule.MARGLIK`: the Laplace marginal likelihood's maximiser (``"auto"`` on the CLI).
 * :attr:`PriorRule.VALIDATION`: like ``None`` but an error without validation data.
 * a positive number: used as is.
+
+The likelihood is the classifier's (``source.model.likelihood``): for a multi-label (``bernoulli``)
+model the curvature and marglik are the Bernoulli ones, the validation scores are means over
+labels of per-label scores, and ``link`` is a sigmoid link (``probit`` by default).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from bayescli.models import Classifier
 from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
 from bayescli.posterior.selection import Criterion, Selection, select_on_grid, unvalidated
-from bayescli.predictive.glm import predict
+from bayescli.predictive.glm import map_probabilities, predict
 
 __all__ = ["LaplacePosterior", "LaplaceSettings", "PriorRule", "fit", "map_limit", "select_prior"]
 
@@ -60,7 +64,8 @@ class LaplaceSettings:
     * ``backend``: last-layer curvature engine (``auto``: closed form where it applies).
     * ``prior_precision``: δ — ``None`` (validated when validation data exists, else marglik),
       a :class:`PriorRule`, or a positive number (module docs).
-    * ``predictive``, ``link``: the predictive scored on validation data (``glm`` or ``bnn``).
+    * ``predictive``, ``link``: the predictive scored on validation data (``glm`` or ``bnn``; a
+      multi-label model takes ``glm`` with ``none``, ``probit``, ``mc`` or ``beta``).
     * ``select_by``: the validation criterion (``nll`` | ``ece`` | ``brier``).
     * ``refine_steps``: Newton/L-BFGS steps to the GLM mode before fitting (last layer).
     * ``samples``: MC samples of the ``bnn`` predictive or ``mc`` link during selection.
@@ -175,6 +180,7 @@ def fit(source: FitSource, settings: LaplaceSettings) -> LaplacePosterior:
         seed=s.seed,
         refine_steps=s.refine_steps,
         features=features,
+        likelihood=source.model.likelihood,
     )
     post.meta["backend"] = s.backend.value
     if validate:
@@ -215,7 +221,8 @@ def select_prior(
     grid: list[float] | None = None,
 ) -> Selection:
     """Set δ to the value with the lowest validation ``settings.select_by`` of the (predictive,
-    link) on ``val`` (features ``phi [N, D]``, MAP ``logits [N, K]``, ``labels [N]``); all-layer
+    link) on ``val`` (features ``phi [N, D]``, MAP ``logits [N, K]``, ``labels [N]``, or ``[N, K]``
+    for a multi-label posterior, scored per label: :func:`~bayescli.posterior.selection.scores`); all-layer
     posteriors also need ``classifier`` and the validation inputs ``val_data``.
 
     The default grid runs through the current δ (marglik's, as fitted) in steps of
@@ -252,7 +259,7 @@ def select_prior(
         candidate,
         labels,
         s.select_by,
-        map_probs=val.logits.softmax(-1),
+        map_probs=map_probabilities(val.logits, post.likelihood),
         principled=marglik,
         map_side="high",
     )

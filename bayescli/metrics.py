@@ -37,6 +37,16 @@ def accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
     return (probs.argmax(-1) == y.to(probs.device)).double().mean().item()
 
 
+def map_correct(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Whether MAP is right on each input ``[N]`` (bool): the arg-max of ``logits [N, K]`` is the
+    label ``y [N]``, or, for multi-label ``y [N, K]``, every label is right (present exactly where
+    its logit is positive, i.e. its sigmoid exceeds ½: subset accuracy's notion)."""
+    y = y.to(logits.device)
+    if y.dim() == 2:
+        return ((logits > 0) == y.bool()).all(-1)
+    return logits.argmax(-1) == y
+
+
 def nll(probs: torch.Tensor, y: torch.Tensor) -> float:
     """Mean negative log-likelihood of the labels."""
     p = probs.double().gather(1, y.to(probs.device).view(-1, 1)).clamp_min(1e-12)

@@ -257,6 +257,20 @@ class LoadedModel:
     preprocess: Preprocess = field(default_factory=Preprocess)
 
     @property
+    def likelihood(self) -> str:
+        """``categorical`` (softmax; checkpoints that do not say) or ``bernoulli`` (a sigmoid per class)."""
+        return str(self.metadata.get("likelihood", "categorical"))
+
+    def require_categorical(self, what: str) -> None:
+        """Raise unless the classifier is a softmax one (multi-label posteriors are not built yet)."""
+        if self.likelihood != "categorical":
+            raise BayescliError(
+                f"{self.checkpoint} is a multi-label classifier (likelihood '{self.likelihood}', a "
+                f"sigmoid per class), but {what} supports softmax classifiers only so far; use a "
+                "categorical checkpoint"
+            )
+
+    @property
     def class_names(self) -> list[str]:
         names = self.metadata.get("class_names")
         return list(names) if names else [str(i) for i in range(self.classifier.num_classes)]

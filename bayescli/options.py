@@ -48,11 +48,16 @@ class GGPMode(str, Enum):
 
 
 class Link(str, Enum):
+    """How a logit Gaussian becomes probabilities: ``none``, ``probit`` and ``mc`` serve softmax
+    and multi-label (sigmoid-per-class) posteriors alike; ``sodpp`` and ``bridge`` are softmax
+    links, ``beta`` (a moment-matched Beta per label) is the multi-label one."""
+
     NONE = "none"
     PROBIT = "probit"
     SODPP = "sodpp"
     MC = "mc"
     BRIDGE = "bridge"
+    BETA = "beta"
 
 
 class Criterion(str, Enum):

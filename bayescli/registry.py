@@ -35,7 +35,8 @@ class MethodEntry:
 
     ``posterior_method`` is the ``method`` entry its files carry (several entries may share one:
     the Laplace variants all write ``laplace`` files); ``defaults`` override the settings'
-    field defaults (a variant is an entry with other defaults).
+    field defaults (a variant is an entry with other defaults); ``likelihoods`` the classifier
+    likelihoods it fits (``categorical``: softmax; ``bernoulli``: a sigmoid per class).
     """
 
     name: str
@@ -46,6 +47,7 @@ class MethodEntry:
     posterior_method: str
     train: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+    likelihoods: tuple[str, ...] = ("categorical",)
 
 
 def _entry(name: str, summary: str, module: str, settings: str, posterior: str, **kw: Any) -> MethodEntry:
@@ -61,6 +63,7 @@ def _entry(name: str, summary: str, module: str, settings: str, posterior: str, 
 
 
 _LAPLACE = "bayescli.laplace_fit"
+_SOFTMAX_AND_MULTILABEL = ("categorical", "bernoulli")
 _VI = "bayescli.posterior.vi"
 _TRAINING = "bayescli.training"
 
@@ -73,6 +76,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
         ),
         _entry(
             "laplace-diag",
@@ -80,6 +84,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
             posterior_method="laplace",
             defaults={"hessian": "diag"},
         ),
@@ -89,6 +94,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
             posterior_method="laplace",
             defaults={"hessian": "kron"},
         ),
@@ -98,6 +104,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
             posterior_method="laplace",
             defaults={"hessian": "full"},
         ),

@@ -303,11 +303,11 @@ def floats(text: str | None, option: str) -> tuple[float, ...] | None:
         raise BayescliError(f"{option} takes comma-separated numbers like 0.5,0.5,0.5: '{text}'") from None
 
 
-def check_labels(data: Data, num_classes: int) -> None:
-    """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier."""
+def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
+    """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier of ``likelihood``."""
     from bayescli.fitting import check_labels as check
 
-    check(data, num_classes)
+    check(data, num_classes, likelihood)
 
 
 def prepare_prediction(
@@ -325,19 +325,23 @@ def prepare_prediction(
     *,
     model: str | None = None,
     trust_model_code: bool = False,
+    softmax_only: str | None = None,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
     posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
     the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`).
-    Labelled data with a low MAP accuracy prints a warning."""
+    ``softmax_only`` names a command that refuses multi-label (bernoulli) models. Labelled data
+    with a low MAP accuracy prints a warning."""
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 
     dev = resolve_device(device)
     post = load_posterior(posterior, dev)
     model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code)
+    if softmax_only is not None:
+        model.require_categorical(softmax_only)
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
-    check_labels(test, model.classifier.num_classes)
+    check_labels(test, model.classifier.num_classes, post.likelihood)
     feats = extract_features(model, test, batch_size, dev, whole_network=post.needs_inputs)
     warn_low_accuracy(feats.logits, feats.labels, f"the data {test.spec}")
     return post, model, test, feats
@@ -432,12 +436,13 @@ def low_accuracy_seen() -> Iterator[list]:
 
 
 def low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str = "the data") -> str | None:
-    """The low-MAP-accuracy warning for ``logits [N, K]``, ``labels [N]`` (``None``: fine, or no labels)."""
-    from bayescli.metrics import accuracy, low_accuracy_warning
+    """The low-MAP-accuracy warning for ``logits [N, K]``, ``labels [N]`` or multi-label ``[N, K]``
+    (``None``: fine, or no labels)."""
+    from bayescli.metrics import low_accuracy_warning, map_correct
 
     if labels is None or not len(labels):
         return None
-    return low_accuracy_warning(accuracy(logits, labels), logits.shape[-1], where)
+    return low_accuracy_warning(map_correct(logits, labels).double().mean().item(), logits.shape[-1], where)
 
 
 def warn_low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str) -> None:

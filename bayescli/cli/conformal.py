@@ -77,7 +77,7 @@ def conformal_cmd(
     ccfg = ConformalConfig(score_kind, alpha, raps_lambda, raps_kreg)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
-        model=model_spec, trust_model_code=trust_model_code,
+        model=model_spec, trust_model_code=trust_model_code, softmax_only="conformal",
     )  # fmt: skip
     cal_spec = calibration_data or validation_spec(data)
     if cal_spec == test.spec:

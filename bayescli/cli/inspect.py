@@ -90,7 +90,7 @@ def inspect_cmd(
             skip_unreadable=skip_unreadable,
         )
         test = opts.load(data, loaded.preprocess)
-        c.check_labels(test, loaded.classifier.num_classes)
+        c.check_labels(test, loaded.classifier.num_classes, loaded.likelihood)
         stream = FeatureStream(loaded, test, batch_size, dev, whole_network=True)
         for _ in stream:  # the first batch checks the head split and the output kind
             pass

@@ -32,7 +32,8 @@ def predict_cmd(
         Link | None,
         typer.Option(
             help="How logit Gaussians become probabilities [default: probit; bridge, i.e. the "
-            "Dirichlet mean, for a posterior whose native output is a Dirichlet (dirichlet-fvi)]."
+            "Dirichlet mean, for a posterior whose native output is a Dirichlet (dirichlet-fvi)]. "
+            "Multi-label (bernoulli) posteriors take none, probit, mc or beta (a Beta per label)."
         ),
     ] = None,
     bridge: Annotated[
@@ -75,8 +76,14 @@ def predict_cmd(
     from bayescli.metrics import classification_summary
     from bayescli.predictive.fidelity import GAUSSIAN_IMAGE
     from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
-    from bayescli.predictive.glm import predict
-    from bayescli.predictive.outputs import dirichlet_fields, prediction_rows
+    from bayescli.predictive.glm import map_probabilities, predict
+    from bayescli.predictive.outputs import (
+        dirichlet_fields,
+        multilabel_rows,
+        multilabel_scores,
+        per_label_fields,
+        prediction_rows,
+    )
 
     c.setup(quiet, as_json, seed)
     if bridge:
@@ -145,15 +152,22 @@ def predict_cmd(
         batch_size,
         ggp,
     )
-    map_probs = feats.logits.softmax(-1)
+    # a multi-label posterior's probabilities are per label (a sigmoid each), scored per label
+    multilabel = post.likelihood == "bernoulli"
+    summarise = multilabel_scores if multilabel else classification_summary
+    map_probs = map_probabilities(feats.logits, post.likelihood)
     method = f"{predictive.value}-{link.value}" + (" (gaussian image)" if approximation else "")
     results = {
-        "map": classification_summary(map_probs, feats.labels),
-        method: classification_summary(pred.probs, feats.labels),
+        "map": summarise(map_probs, feats.labels),
+        method: summarise(pred.probs, feats.labels),
     }
     extra = dirichlet_fields(pred.alpha) if pred.alpha is not None else {}
+    if pred.per_label is not None:
+        extra = per_label_fields(pred.per_label)
+        if "mutual_information" in extra:
+            results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
     note = None
-    if extra:
+    if pred.alpha is not None:
         results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
         results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
         from bayescli.metrics import near_zero_variance_warning
@@ -173,6 +187,7 @@ def predict_cmd(
         "posterior": str(posterior),
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
+        "likelihood": post.likelihood,
         "predictive": predictive.value,
         "link": link.value,
         "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,
@@ -186,10 +201,11 @@ def predict_cmd(
     if note is not None:
         report["warnings"] = [note]
     row_extra = {k: extra[k] for k in ("alpha", "alpha0", "mutual_information") if k in extra}
+    rows = multilabel_rows if multilabel else prediction_rows
     if out is not None and out.suffix == ".jsonl":
-        write_jsonl(out, report, prediction_rows(pred.probs, feats.labels, model.class_names, row_extra))
+        write_jsonl(out, report, rows(pred.probs, feats.labels, model.class_names, row_extra))
     elif out is not None and out.suffix == ".json":
-        all_rows = list(prediction_rows(pred.probs, feats.labels, model.class_names, row_extra))
+        all_rows = list(rows(pred.probs, feats.labels, model.class_names, row_extra))
         write_json(out, {**report, "rows": all_rows})
     elif out is not None:
         tensors = {"probs": pred.probs, **extra}

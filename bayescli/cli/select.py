@@ -87,6 +87,7 @@ def select_cmd(
     models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device)
     loaded = models.load()
+    loaded.require_categorical("select")
     fit_data = data_opts.load(data, loaded.preprocess)
     check_labels(fit_data, loaded.classifier.num_classes)
     fit_data, val = resolve_validation(loaded, fit_data, data_opts, val=val_data, val_split=val_split)

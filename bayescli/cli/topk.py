@@ -59,6 +59,7 @@ def topk_cmd(
         skip_unreadable,
         model=model_spec,
         trust_model_code=trust_model_code,
+        softmax_only="topk",
     )
     pred = predict(
         post,

@@ -12,6 +12,8 @@ from bayescli.errors import BayescliError
 from bayescli.options import TrainConfig, VIMethod
 
 TRAIN_METHODS = ["map", *(m.value for m in VIMethod)]
+# kept in step with bayescli.training.classifier.LIKELIHOODS (not imported: torch loads lazily)
+LIKELIHOODS = ["categorical", "bernoulli"]
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:
@@ -39,6 +41,13 @@ def train(
         list[str] | None,
         typer.Option("--set", help="VI hyperparameter NAME=VALUE (repeatable), e.g. --set kl_weight=2e-7."),
     ] = None,
+    likelihood: Annotated[
+        str,
+        typer.Option(
+            help="categorical (softmax, one class per input) or bernoulli (a sigmoid per class, "
+            "multi-label data y [N, K]; --method map)."
+        ),
+    ] = "categorical",
     data: Annotated[str, typer.Option(help="Training data spec.")] = "digits:train",
     val: Annotated[str | None, typer.Option(help="Validation data spec (default: the val split).")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Default: the method's.")] = None,
@@ -61,9 +70,11 @@ def train(
 
     Example: bayescli train --method mnvi --data digits:train --out mnvi-cnn.safetensors
     --set kl_weight=2e-7
+
+    Example: bayescli train --likelihood bernoulli --data composed-digits:train --out multi.safetensors
     """
     from bayescli.data import DataSpec, validation_spec
-    from bayescli.training.classifier import save_checkpoint, train_classifier
+    from bayescli.training.classifier import check_likelihood, save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
@@ -72,6 +83,12 @@ def train(
         raise typer.BadParameter(f"choose one of {', '.join(TRAIN_METHODS)}", param_hint="--method")
     if method == "map" and setting:
         raise typer.BadParameter("--set applies to VI methods", param_hint="--set")
+    if likelihood not in LIKELIHOODS:
+        raise typer.BadParameter(f"choose one of {', '.join(LIKELIHOODS)}", param_hint="--likelihood")
+    if likelihood == "bernoulli" and method != "map":
+        raise typer.BadParameter(
+            f"--method {method} trains categorical models only; use --method map", param_hint="--likelihood"
+        )
     if posterior_out is not None and posterior_out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")
     data_opts = c.data_options(
@@ -85,13 +102,17 @@ def train(
     train_data = data_opts.load(data, None)
     val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
     val_data = data_opts.load(val_spec, None, limit=False) if val_spec else None
+    for loaded in (train_data, val_data):
+        if loaded is not None:
+            # before any training: also guards the VI trainers, which are categorical
+            check_likelihood(likelihood, loaded)
     given = {"epochs": epochs, "lr": lr, "batch_size": batch_size}
     given = {k: v for k, v in given.items() if v is not None}
     dev = c.resolve_device(device)
     post = None
     if method == "map":
         cfg = TrainConfig(**given, weight_decay=weight_decay, seed=seed)
-        clf, meta = train_classifier(model, train_data, val_data, cfg, dev)
+        clf, meta = train_classifier(model, train_data, val_data, cfg, dev, likelihood)
     else:
         from bayescli.fitting import load_setting_data
         from bayescli.registry import create_settings, parse_setting, train_function
@@ -101,7 +122,7 @@ def train(
         vi_settings = load_setting_data(vi_settings, data_opts, None)
         clf, meta, post = train_function(method)(model, train_data, val_data, vi_settings, dev)
     save_checkpoint(out, clf.cpu(), meta)
-    summary: dict = {"method": method}
+    summary: dict = {"method": method, "likelihood": likelihood}
     if post is not None:
         from bayescli.fitting import record_provenance
         from bayescli.models import load_classifier
@@ -116,6 +137,7 @@ def train(
         "data": train_data.spec,
         "train_accuracy": meta["train_accuracy"],
         "val_accuracy": meta["val_accuracy"],
+        **{k: meta[k] for k in ("train_subset_accuracy", "val_subset_accuracy") if k in meta},
         "final_loss": meta["train_loss"][-1],
     }
     c.show(

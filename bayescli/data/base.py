@@ -13,6 +13,10 @@ A :class:`Data` never holds the pixels of a whole set. It is
 :meth:`Data.batches` yields ``(x [B, ...] float, y [B] or None)`` in a fixed order whatever
 ``num_workers`` is. :meth:`Data.take` / :meth:`Data.inputs` read a few rows at random.
 
+Labels are single-label class indices ``[N]`` int64, or multi-label ``[N, K]`` 0/1 indicators
+(int64 or uint8; :attr:`Data.multilabel`), one column per class name; every view, batch and
+``take`` then carries ``y`` as ``[B, K]``.
+
 Unreadable items (a corrupt image file) stop the iteration with a :class:`BayescliError` naming the
 file; with ``skip_unreadable`` they are dropped from the batch instead and remembered by the
 source, so every later pass and every view of that source leaves them out too (``len``, ``y``
@@ -40,7 +44,8 @@ class UnreadableItem(Exception):  # noqa: N818 - a per-item outcome, turned into
 
 
 class Source(ABC):
-    """Random access to a stored set: row → float item ``shape`` (pixels in [0, 1]) and labels ``[N]``.
+    """Random access to a stored set: row → float item ``shape`` (pixels in [0, 1]) and labels ``[N]``
+    (class indices) or ``[N, K]`` (multi-label 0/1), or ``None``.
 
     ``unreadable`` maps rows found unreadable (under ``skip_unreadable``) to ``(path, reason)``;
     it lives in the process that iterates, shared by every view of this source.
@@ -145,6 +150,23 @@ def _identity(batch):  # noqa: ANN001, ANN202 - the DataLoader's collate_fn (a p
     return batch
 
 
+def check_multi_hot(labels: torch.Tensor, class_names: list[str], where: str) -> None:
+    """Raise unless multi-label ``labels [N, K]`` are integer 0/1 with one class name per column."""
+    if labels.dtype not in (torch.int64, torch.uint8):
+        raise BayescliError(f"{where}: multi-label labels must be int64 or uint8 0/1, got {labels.dtype}")
+    if labels.shape[1] == 0:
+        raise BayescliError(f"{where}: multi-label labels [N, K] need at least one class (K = 0)")
+    if len(class_names) != labels.shape[1]:
+        raise BayescliError(
+            f"{where}: {len(class_names)} class names for {labels.shape[1]} label columns; "
+            "give one per column"
+        )
+    bad = (labels != 0) & (labels != 1)
+    if bool(bad.any()):
+        value = int(labels[bad][0])
+        raise BayescliError(f"{where}: multi-label labels [N, K] must be 0 or 1, found {value}")
+
+
 def _as_rows(index: slice | torch.Tensor | list, n: int) -> torch.Tensor:
     if isinstance(index, slice):
         return torch.arange(n)[index]
@@ -152,8 +174,9 @@ def _as_rows(index: slice | torch.Tensor | list, n: int) -> torch.Tensor:
 
 
 class Data:
-    """A lazy dataset view: labels ``y [N]`` (or ``None``), class names, provenance ``info`` and
-    ``index [N]`` (row numbers in the split's stored set), inputs read on demand.
+    """A lazy dataset view: labels ``y [N]`` (class indices), ``[N, K]`` (multi-label 0/1, one
+    column per class name) or ``None``, class names, provenance ``info`` and ``index [N]`` (row
+    numbers in the split's stored set), inputs read on demand.
 
     Build one with :class:`ArrayData` (tensors) or from a :class:`Source`.
     """
@@ -174,6 +197,10 @@ class Data:
         if len(self._index) != n:
             raise BayescliError(f"{n} inputs but {len(self._index)} index entries")
         self._labelled = source.labels is not None
+        if self._labelled and source.labels.dim() == 2:
+            check_multi_hot(source.labels, self.class_names, str(self.info.get("source", "data")))
+        elif self._labelled and source.labels.dim() != 1:
+            raise BayescliError(f"labels must be [N] or [N, K], got {list(source.labels.shape)}")
         self._transforms: tuple[_Transform, ...] = ()
         self._shape = tuple(source.shape)
         self._shifted = False
@@ -206,10 +233,44 @@ class Data:
 
     @property
     def y(self) -> torch.Tensor | None:
-        """Labels ``[N]`` int64, or ``None`` for unlabelled data."""
+        """Labels ``[N]`` int64 (class indices), ``[N, K]`` 0/1 (multi-label), or ``None`` for
+        unlabelled data."""
         if not self._labelled or self.source.labels is None:
             return None
         return self.source.labels[self.rows]
+
+    @property
+    def multilabel(self) -> bool:
+        """Whether the labels are multi-label indicators ``[N, K]`` (``False`` for unlabelled data)."""
+        labels = self.source.labels
+        return self._labelled and labels is not None and labels.dim() == 2
+
+    def check_labels(self, num_classes: int, likelihood: str = "categorical") -> None:
+        """Raise unless the labels suit a ``num_classes``-way classifier of ``likelihood``: class
+        indices ``[N]`` below ``num_classes`` for ``categorical`` (softmax), multi-label
+        ``[N, num_classes]`` for ``bernoulli`` (a sigmoid per class); unlabelled data suits both."""
+        if likelihood == "bernoulli":
+            if self.y is not None and not self.multilabel:
+                raise BayescliError(
+                    f"{self.spec} has one class per input (y [N]), but the model is multi-label (likelihood "
+                    f"'bernoulli', a sigmoid per class); use multi-label data (y [N, {num_classes}] of 0/1)"
+                )
+            if self.multilabel and self.source.labels.shape[1] != num_classes:
+                raise BayescliError(
+                    f"{self.spec} has {self.source.labels.shape[1]} label columns but the model has "
+                    f"{num_classes} classes; use data with the model's classes"
+                )
+            return
+        if self.multilabel:
+            raise BayescliError(
+                f"{self.spec} is multi-label (y [N, {self.source.labels.shape[1]}] of 0/1), but the model is "
+                "a softmax classifier (likelihood 'categorical', one class per input); use single-label data"
+            )
+        if self.y is not None and len(self.y) and int(self.y.max()) >= num_classes:
+            raise BayescliError(
+                f"{self.spec} has labels up to {int(self.y.max())} but the model has {num_classes} "
+                "classes; use data with the model's classes"
+            )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -288,7 +349,8 @@ class Data:
     def batches(
         self, batch_size: int, num_workers: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Yield ``(x [B, ...] float, y [B] or None)`` in order; ``num_workers`` defaults to the view's.
+        """Yield ``(x [B, ...] float, y [B], [B, K] or None)`` in order (``num_workers``: the view's
+        by default).
 
         Reading, decoding, per-image resizing and worker transforms run in ``num_workers``
         processes (``0``: in this one); the order and the values do not depend on it.
@@ -317,7 +379,7 @@ class Data:
         self._note_skipped()
 
     def take(self, index: slice | torch.Tensor | list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows ``index`` of this view read here: ``(x [B, ...] float, y [B] or None)``.
+        """Rows ``index`` of this view read here: ``(x [B, ...] float, y [B], [B, K] or None)``.
 
         For random access to a few rows (minibatches, reference statistics); rows found unreadable
         are dropped from both (under ``skip_unreadable``).
@@ -426,7 +488,8 @@ class Data:
 
 class ArrayData(Data):
     """A set held in memory: ``x [N, ...]`` (uint8 pixels, or floats already in [0, 1] or tabular),
-    labels ``y [N]`` or ``None``, class names, provenance and optionally ``index``."""
+    labels ``y [N]``, ``[N, K]`` (multi-label 0/1) or ``None``, class names, provenance and
+    optionally ``index``."""
 
     def __init__(
         self,

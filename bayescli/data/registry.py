@@ -1,12 +1,29 @@
 """``--data NAME[:split][[lo:hi]]``: parse a data spec and load it as a lazy :class:`Data` view.
 
-Splits are deterministic: ``digits``, ``npz:`` and ``imagefolder:`` are split 70/10/20
+Splits are deterministic: ``digits``, ``npz:``, ``imagefolder:`` and ``csv:`` are split 70/10/20
 (train/val/test) by a seeded permutation; the torchvision sets keep their official test set
 and hold out a seeded 10% of the official training set as ``val``. ``idx:DIR`` (any data in
 MNIST's IDX format) has official splits when DIR holds both ``train-*`` and ``t10k-*`` files, and
 is one source split 70/10/20 otherwise. Every split records its seed. A trailing index range
 ``[lo:hi]`` (Python slice syntax) keeps those rows of the split, e.g. ``mnist:test[:5000]``.
 Splits, ranges and ``--limit`` are index maps over the stored set: no pixels are read to make them.
+
+Multi-label sets (labels ``[N, K]`` 0/1):
+
+* ``npz:FILE`` whose ``y`` is ``[N, K]``;
+* ``csv:FILE.csv``: images listed in a CSV file, rows ``file,labels`` with the labels separated by
+  ``;`` (``img001.png,cat;dog``; empty: no label), files relative to the CSV's folder
+  (:func:`~bayescli.data.sources.image_list`);
+* ``composed:BASE[:split]``: composites of 1–3 images of any single-label image spec ``BASE``
+  side by side, labelled by the set of classes shown (:mod:`bayescli.data.composed`). ``BASE`` is
+  read whole and split 70/10/20 by the split seed; composed split S is made only of base split S's
+  images. A trailing ``:train``/``:val``/``:test`` is the composed split, whatever ``BASE`` is, so
+  ``composed:mnist:test:train`` composes the training 70% of MNIST's test set, while
+  ``composed:mnist:test`` is the composed test split of ``mnist`` (itself MNIST's test set); the
+  name alone is the whole composed set, and ``[lo:hi]`` keeps rows of the composed split. The OOD
+  counterpart of composed MNIST: ``composed:idx:NOTMNIST_DIR``. ``composed-digits[:split]`` is
+  ``composed`` over all of scikit-learn's 8×8 digits (canvas ``1×8×24``; test split by default,
+  like ``digits``).
 """
 
 from __future__ import annotations
@@ -20,13 +37,15 @@ import torch
 
 from bayescli.data import sources
 from bayescli.data.base import Data
+from bayescli.data.composed import compose
 from bayescli.errors import BayescliError
 from bayescli.preprocess import Preprocess, warn_resize
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0
 _FRACTIONS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}
-_PATH_KINDS = ("npz", "imagefolder", "idx")
+_PATH_KINDS = ("npz", "imagefolder", "idx", "csv", "composed")
+_PATH_EXAMPLES = {"npz": "batch.npz", "csv": "images/labels.csv", "composed": "mnist:test"}
 _ROWS = re.compile(r"^(?P<spec>.*)\[(?P<lo>-?\d*):(?P<hi>-?\d*)\]$")
 
 
@@ -56,14 +75,15 @@ class DataSpec:
             if sep and tail in SPLITS:
                 path, split = head, tail
             if not path:
-                raise BayescliError(
-                    f"'{text}' needs a path, e.g. {kind}:" + {"npz": "batch.npz"}.get(kind, "DIR")
-                )
+                raise BayescliError(f"'{text}' needs a path, e.g. {kind}:" + _PATH_EXAMPLES.get(kind, "DIR"))
+            if kind == "composed":
+                cls.parse(path)  # a bad base spec fails now, with its own message
             return cls(kind, split, path)
         if kind not in DATASETS:
             raise BayescliError(
-                f"unknown dataset '{kind}'; choose one of {', '.join(sorted(DATASETS))}, "
-                "npz:PATH, idx:DIR or imagefolder:PATH"
+                f"unknown dataset '{kind}'; choose one of "
+                f"{', '.join(sorted(set(DATASETS) - set(_PATH_KINDS)))}, "
+                "npz:PATH, idx:DIR, imagefolder:PATH, csv:FILE.csv or composed:SPEC"
             )
         if rest and rest not in SPLITS:
             raise BayescliError(f"unknown split '{rest}' in '{text}'; use one of {', '.join(SPLITS)}")
@@ -154,6 +174,28 @@ def _imagefolder(spec: DataSpec, root: Path, download: bool, seed: int, pre: Pre
     return _split_whole(sources.imagefolder(Path(spec.path), pre), spec.split, seed)
 
 
+def _csv(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
+    return _split_whole(sources.image_list(Path(spec.path), pre), spec.split, seed)
+
+
+def _composed_split(base: Data, split: str | None, seed: int) -> Data:
+    """Compose ``base`` group by group (its seeded 70/10/20 partition) and take composed ``split``."""
+    groups = [_seeded_split(len(base), s, seed) for s in SPLITS]
+    return _split_whole(compose(base, groups, seed), split, seed)
+
+
+def _composed(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
+    # the base is read in pixel space: the model's preprocessing applies to the whole canvas
+    base = load_data(spec.path, root=root, download=download, split_seed=seed)
+    return _composed_split(base, spec.split, seed)
+
+
+def _composed_digits(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
+    base = sources.digits()
+    base.info["spec"] = "digits (all 1797)"
+    return _composed_split(base, spec.split or "test", seed)
+
+
 DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "digits": _digits,
     "mnist": _official(sources.mnist_family("mnist")),
@@ -165,6 +207,9 @@ DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "npz": _npz,
     "idx": _idx,
     "imagefolder": _imagefolder,
+    "csv": _csv,
+    "composed": _composed,
+    "composed-digits": _composed_digits,
 }
 
 

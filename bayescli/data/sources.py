@@ -44,7 +44,11 @@ def digits() -> ArrayData:
 
 
 def npz(path: Path) -> ArrayData:
-    """Arrays ``x`` (``[N, ...]``; uint8 pixels or floats) and optional ``y`` (``[N]`` ints)."""
+    """Arrays ``x`` (``[N, ...]``; uint8 pixels or floats), optional ``y`` and ``class_names``.
+
+    ``y`` is ``[N]`` integer class indices, or ``[N, K]`` multi-label indicators (integer or bool,
+    every value 0 or 1; ``class_names``, if given, has one entry per column), read as int64.
+    """
     if not path.is_file():
         raise BayescliError(f"npz file not found: {path}")
     try:
@@ -60,13 +64,42 @@ def npz(path: Path) -> ArrayData:
     x = torch.from_numpy(np.ascontiguousarray(x_np))
     y = None
     if y_np is not None:
-        if y_np.ndim != 1 or len(y_np) != len(x_np):
-            raise BayescliError(f"{path}: 'y' must be [N] with N={len(x_np)}, got {list(y_np.shape)}")
+        if y_np.ndim not in (1, 2) or len(y_np) != len(x_np):
+            raise BayescliError(
+                f"{path}: 'y' must be [N] class indices or [N, K] 0/1 labels with N={len(x_np)}, "
+                f"got {list(y_np.shape)}"
+            )
+        if y_np.ndim == 2:
+            y, names = _multi_hot(y_np, names, path)
+            return ArrayData(x, y, names, {"source": str(path)})
         if not np.issubdtype(y_np.dtype, np.integer):
             raise BayescliError(f"{path}: 'y' must hold integer class indices, got {y_np.dtype}")
         y = torch.from_numpy(y_np.astype(np.int64))
     k = int(y.max()) + 1 if y is not None and len(y) else 0
     return ArrayData(x, y, names or [str(i) for i in range(k)], {"source": str(path)})
+
+
+def _multi_hot(y_np: np.ndarray, names: list[str] | None, path: Path) -> tuple[torch.Tensor, list[str]]:
+    """Multi-label ``y [N, K]`` of an npz file as int64 and its class names, after checking the
+    dtype, the values and the names.
+
+    Checked here (not only by :class:`Data`) so that the messages name the array and file. Class
+    names default to the column numbers.
+    """
+    if not (np.issubdtype(y_np.dtype, np.integer) or y_np.dtype == np.bool_):
+        raise BayescliError(
+            f"{path}: multi-label 'y' [N, K] must hold integers 0/1, got {y_np.dtype}; "
+            "save y.astype(numpy.uint8)"
+        )
+    bad = (y_np != 0) & (y_np != 1)
+    if bad.any():
+        raise BayescliError(f"{path}: multi-label 'y' [N, K] must hold only 0 and 1, found {y_np[bad][0]}")
+    if names is not None and len(names) != y_np.shape[1]:
+        raise BayescliError(
+            f"{path}: 'class_names' has {len(names)} entries but 'y' has {y_np.shape[1]} label columns"
+        )
+    labels = torch.from_numpy(y_np.astype(np.int64))
+    return labels, names if names is not None else [str(i) for i in range(y_np.shape[1])]
 
 
 def decode_image(path: str) -> torch.Tensor:
@@ -136,17 +169,86 @@ def imagefolder(path: Path, pre: Preprocess | None = None) -> Data:
         raise BayescliError(f"{path}: {exc}") from None
     paths = [p for p, _ in samples]
     labels = torch.tensor([c for _, c in samples], dtype=torch.int64)
+    return _image_files(paths, labels, list(classes), str(path), pre)
+
+
+def _image_files(
+    paths: list[str], labels: torch.Tensor, classes: list[str], source: str, pre: Preprocess | None
+) -> Data:
+    """Image files ``paths`` with ``labels`` (``[N]`` or ``[N, K]``) as a lazily decoded :class:`Data`."""
     pre = pre if pre is not None and pre.changes_pixels else None
     size = _header_size(paths)
     if pre is not None:
         # photos are routinely larger than a model's input: only upsampling (judged on the first
-        # image) is suspicious here
-        warn_resize(pre, (3, *size), downsampling=False, stacklevel=5)
+        # image) is suspicious here; the warning points at the caller of load_data
+        warn_resize(pre, (3, *size), downsampling=False, stacklevel=6)
         size = tuple(pre.pixels(torch.zeros(1, 1, *size)).shape[-2:])
-    info: dict = {"source": str(path), "image_size": list(size)}
+    info: dict = {"source": source, "image_size": list(size)}
     if pre is not None:
         info["preprocessed"] = True
-    return Data(ImageFolderSource(paths, labels, size, pre), list(classes), info)
+    return Data(ImageFolderSource(paths, labels, size, pre), classes, info)
+
+
+LABEL_SEPARATOR = ";"
+
+
+def image_list(path: Path, pre: Preprocess | None = None) -> Data:
+    """Multi-label images listed in a CSV file: rows ``file,labels`` (``img001.png,cat;dog``).
+
+    ``file`` is relative to the CSV's folder (or absolute); ``labels`` separates class names with
+    ``;`` and may be empty (an image of none of the classes: all zeros). Class names are the sorted
+    union of the labels, so ``y`` is ``[N, K]`` 0/1 in that column order. An optional first row
+    ``file,labels`` is a header. Names may not contain whitespace, ``,`` or ``|`` (such a name is
+    taken for a list with the wrong separator). Images are decoded lazily, as :func:`imagefolder`.
+    """
+    import csv
+
+    if not path.is_file():
+        raise BayescliError(f"label file not found: {path}")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise BayescliError(f"cannot read {path} as CSV ({exc})") from None
+    listed: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
+    for number, row in enumerate(rows, start=1):
+        if not row or not "".join(row).strip():
+            continue
+        if number == 1 and [c.strip().lower() for c in row] == ["file", "labels"]:
+            continue
+        if len(row) != 2:
+            raise BayescliError(
+                f"{path} row {number}: expected 2 fields 'file,labels', found {len(row)}; "
+                f"separate labels with '{LABEL_SEPARATOR}' (img001.png,cat;dog)"
+            )
+        name, text = row[0].strip(), row[1]
+        file = path.parent / name
+        if not file.is_file():
+            raise BayescliError(f"{path} row {number}: image not found: {file}")
+        if str(file) in seen:
+            raise BayescliError(f"{path} row {number}: {name} is listed twice")
+        seen.add(str(file))
+        labels = [t.strip() for t in text.split(LABEL_SEPARATOR)]
+        if text.strip() and not all(labels):
+            raise BayescliError(f"{path} row {number}: empty label in '{text}'")
+        odd = [t for t in labels if any(ch.isspace() or ch in ",|" for ch in t)]
+        if odd:
+            raise BayescliError(
+                f"{path} row {number}: label '{odd[0]}' contains a separator other than "
+                f"'{LABEL_SEPARATOR}'; write e.g. img001.png,cat;dog"
+            )
+        listed.append((str(file), [t for t in labels if t]))
+    if not listed:
+        raise BayescliError(f"{path} lists no images")
+    classes = sorted({t for _, labels in listed for t in labels})
+    if not classes:
+        raise BayescliError(f"{path}: no image has a label; give at least one class")
+    column = {c: i for i, c in enumerate(classes)}
+    y = torch.zeros(len(listed), len(classes), dtype=torch.int64)
+    for i, (_, labels) in enumerate(listed):
+        y[i, [column[t] for t in labels]] = 1
+    return _image_files([f for f, _ in listed], y, classes, str(path), pre)
 
 
 _MNIST_CLASSES = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "kmnist": "KMNIST"}

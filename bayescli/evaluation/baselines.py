@@ -190,8 +190,7 @@ class Baselines:
             data = spec
         else:
             data = load_data(spec, cfg.data_root, cfg.download, limit, seed, preprocess=self.model.preprocess)
-        if data.y is not None and len(data.y) and int(data.y.max()) >= self.model.classifier.num_classes:
-            raise BayescliError(f"{data.spec} has labels beyond the model's classes; use its own data")
+        data.check_labels(self.model.classifier.num_classes)
         feats = extract_features(self.model, data, cfg.batch_size, cfg.device, cache)
         self.timings[key] = feats.seconds
         return data, feats

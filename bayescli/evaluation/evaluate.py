@@ -254,7 +254,8 @@ def evaluate(
         test = _for_tag(data, first, "data", several)
         if test is None:
             raise BayescliError(f"no test data for posterior {first}; give it in `data`")
-        _check_labels(test, loaded.classifier.num_classes)
+        loaded.require_categorical("evaluate")
+        test.check_labels(loaded.classifier.num_classes)
         groups.append((members, loaded, test))
     if ggp_data is not None and any(m.predictive is Predictive.GGP for m in cfg.methods):
         given = {tag: _for_tag(ggp_data, tag, "ggp_data", False) for tag in posts}
@@ -283,9 +284,3 @@ def _for_tag(value: T | Mapping[str, T] | None, tag: str, name: str, several: bo
     return value
 
 
-def _check_labels(data: Data, num_classes: int) -> None:
-    if data.y is not None and len(data.y) and int(data.y.max()) >= num_classes:
-        raise BayescliError(
-            f"{data.spec} has labels up to {int(data.y.max())} but the model has {num_classes} "
-            "classes; use data with the model's classes"
-        )

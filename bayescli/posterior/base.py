@@ -53,6 +53,9 @@ class Posterior(ABC):
     # a posterior whose native output is a Dirichlet α (its logit Gaussian is that Dirichlet's
     # Gaussian image): its predictive is the Dirichlet mean, the default link ``bridge``
     native_dirichlet: ClassVar[bool] = False
+    # the likelihood of the classifier's outputs: ``categorical`` (softmax) or ``bernoulli`` (a
+    # sigmoid per class, multi-label); only Laplace posteriors fit bernoulli models so far
+    likelihood: str = "categorical"
     subset: Subset
     meta: dict
     path: Path | None = None  # the file it was read from, if any

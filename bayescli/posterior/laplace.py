@@ -1,8 +1,15 @@
 """Laplace approximations of a trained classifier: fit, tune the prior, save, load.
 
 ``q(θ) = N(θ*, (H + δI)⁻¹)`` with ``θ*`` the trained weights (the MAP), ``H`` the curvature
-of the summed cross-entropy on the fitting data (:mod:`bayescli.posterior.curvature`) and ``δ``
-an isotropic prior precision (prior mean zero).
+of the summed negative log-likelihood on the fitting data and ``δ`` an isotropic prior precision
+(prior mean zero). The likelihood is the classifier's own (``LaplacePosterior.likelihood``):
+
+* ``categorical``: softmax cross-entropy, labels ``[N]`` (:mod:`bayescli.posterior.curvature`);
+* ``bernoulli``: a sigmoid per class with binary cross-entropy, multi-label ``[N, K]`` in
+  ``{0, 1}`` (:mod:`bayescli.posterior.bernoulli_curvature`; last layer only).
+
+Either way the fit yields the same weight Gaussians and ``log p(D | θ*)`` of that likelihood, so
+the marginal likelihood, δ and the logit Gaussians ``N(f, J Σ Jᵀ)`` need no case of their own.
 
 * ``subset="last-layer"``: ``θ`` are the head's weights and bias ``W̃ [K, D+1]``; fitted on
   detached features, so the backbone runs once. Structures ``diag``, ``kron``, ``full``.
@@ -27,6 +34,7 @@ from bayescli.errors import BayescliError
 from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
+from bayescli.posterior.bernoulli_curvature import BernoulliCurvatureAccumulator
 from bayescli.posterior.curvature import (
     Backend,
     Curvature,
@@ -54,6 +62,27 @@ def head_parameters(head: nn.Linear) -> torch.Tensor:
     return torch.cat([w, head.bias.detach()[:, None]], 1) if head.bias is not None else w.clone()
 
 
+def _last_layer_accumulator(
+    likelihood: str,
+    mean: torch.Tensor,
+    structure: HessianStructure | str,
+    curvature: CurvatureType | str,
+    backend: Backend | str,
+    batch_size: int,
+    seed: int,
+) -> CurvatureAccumulator | BernoulliCurvatureAccumulator:
+    """The last-layer curvature accumulator of ``likelihood`` for the head ``mean = W̃ [K, D+1]``."""
+    if likelihood == "categorical":
+        return CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
+    if likelihood != "bernoulli":
+        raise BayescliError(f"unknown likelihood '{likelihood}'; use 'categorical' or 'bernoulli'")
+    if Backend(backend) is Backend.BACKPACK:
+        raise BayescliError(
+            "backend='backpack' has no multi-label (bernoulli) curvature; use backend='auto' (closed form)"
+        )
+    return BernoulliCurvatureAccumulator(mean, structure, curvature, batch_size, seed)
+
+
 def _gaussian(curv: Curvature, mean: torch.Tensor, delta: float) -> WeightGaussian:
     if curv.structure is HessianStructure.DIAG:
         return DiagGaussian(mean, curv.diag.reshape(mean.shape), delta)
@@ -67,7 +96,8 @@ class LaplacePosterior(Posterior):
     """A fitted Laplace approximation plus what it was fitted on.
 
     ``gaussian`` holds ``θ*``, the curvature and ``δ``; ``meta`` the provenance written to the
-    posterior file (model spec, checkpoint hash, data spec, prior choice, …).
+    posterior file (model spec, checkpoint hash, data spec, prior choice, …); ``likelihood`` the
+    classifier's (``categorical`` or ``bernoulli``; files that do not say are categorical).
     """
 
     gaussian: WeightGaussian
@@ -77,6 +107,7 @@ class LaplacePosterior(Posterior):
     n_data: int
     log_likelihood: float | None
     meta: dict = field(default_factory=dict)
+    likelihood: str = "categorical"
 
     method: ClassVar[str] = "laplace"
 
@@ -88,6 +119,7 @@ class LaplacePosterior(Posterior):
         return {
             "hessian": self.structure,
             "curvature": self.curvature.value,
+            "likelihood": self.likelihood,
             "prior_precision": self.prior_precision,
             "prior_method": self.meta.get("prior", {}).get("method"),
             "n_data": self.n_data,
@@ -115,13 +147,15 @@ class LaplacePosterior(Posterior):
         batch_size: int = 1024,
         seed: int = 0,
         mean: torch.Tensor | None = None,
+        likelihood: str = "categorical",
     ) -> LaplacePosterior:
-        """Fit on features ``phi [N, D]`` of the fitting data (labels ``[N]`` for ``ef``/marglik).
+        """Fit on features ``phi [N, D]`` of the fitting data (labels ``[N]``, or ``[N, K]`` for
+        ``likelihood="bernoulli"``, for ``ef``/marglik).
 
         ``mean`` replaces the head's own ``W̃`` as the expansion point (a refined mode).
         """
         return cls.fit_last_layer_stream(
-            [(phi, labels)], head, structure, curvature, backend, batch_size, seed, mean
+            [(phi, labels)], head, structure, curvature, backend, batch_size, seed, mean, likelihood
         )
 
     @classmethod
@@ -135,11 +169,15 @@ class LaplacePosterior(Posterior):
         batch_size: int = 1024,
         seed: int = 0,
         mean: torch.Tensor | None = None,
+        likelihood: str = "categorical",
     ) -> LaplacePosterior:
-        """Fit on a stream of ``(phi [B, D], labels [B] or None)`` batches, never holding them all.
+        """Fit on a stream of ``(phi [B, D], labels [B], [B, K] or None)`` batches, never holding
+        them all.
 
         Curvature factors and the log-likelihood are summed batch by batch
-        (:class:`~bayescli.posterior.curvature.CurvatureAccumulator`); the result equals
+        (:class:`~bayescli.posterior.curvature.CurvatureAccumulator`, or
+        :class:`~bayescli.posterior.bernoulli_curvature.BernoulliCurvatureAccumulator` for
+        ``likelihood="bernoulli"``); the result equals
         :meth:`fit_last_layer` on the concatenated batches. The dtype of the first batch sets the
         dtype of the fit.
         """
@@ -152,7 +190,9 @@ class LaplacePosterior(Posterior):
                 if acc is None:
                     # on the features' device and dtype: a GPU pass keeps the whole fit there
                     mean = (head_parameters(head) if mean is None else mean).to(phi)
-                    acc = CurvatureAccumulator(mean, structure, curvature, backend, batch_size, seed)
+                    acc = _last_layer_accumulator(
+                        likelihood, mean, structure, curvature, backend, batch_size, seed
+                    )
                     finite = torch.ones((), dtype=torch.bool, device=phi.device)
                 finite &= torch.isfinite(phi).all()  # read once below, not per batch
                 acc.update(augment(phi) if bias else phi, labels)
@@ -168,6 +208,7 @@ class LaplacePosterior(Posterior):
             bias,
             curv.n_data,
             acc.log_likelihood,
+            likelihood=likelihood,
         )
 
     @classmethod
@@ -295,6 +336,7 @@ class LaplacePosterior(Posterior):
         return {
             "hessian": self.structure,
             "curvature": self.curvature.value,
+            "likelihood": self.likelihood,
             "head_bias": self.head_bias,
             "n_data": self.n_data,
             "log_likelihood": self.log_likelihood,
@@ -320,12 +362,14 @@ class LaplacePosterior(Posterior):
             int(meta["n_data"]),
             meta.get("log_likelihood"),
             cls.provenance(meta, _OWN_KEYS),
+            str(meta.get("likelihood", "categorical")),
         )
 
 
 _OWN_KEYS = {
     "hessian",
     "curvature",
+    "likelihood",
     "head_bias",
     "n_data",
     "log_likelihood",
@@ -347,6 +391,7 @@ def fit_laplace(
     seed: int = 0,
     refine_steps: int = 0,
     features: Iterable[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    likelihood: str = "categorical",
 ) -> LaplacePosterior:
     """Fit a Laplace approximation and set its prior precision (a float, or ``"auto"`` = marglik).
 
@@ -360,9 +405,22 @@ def fit_laplace(
     ``θ*``, then recomputes the curvature (and, for ``auto``, ``δ``) at the refined mode; both
     modes' objectives are recorded under ``meta["refinement"]``. Refinement optimises over all
     fitting points at once, so it holds every feature in memory (a stream is collected first).
+
+    ``likelihood`` is the classifier's: ``categorical`` (labels ``[N]``) or ``bernoulli``
+    (multi-label ``[N, K]``; last layer, without refinement).
     """
     start = time.perf_counter()
     last_layer = Subset(subset) is Subset.LAST_LAYER
+    if likelihood == "bernoulli":
+        # BackPACK's BCEWithLogitsLoss takes one output per input, and refine_mode's objective is
+        # the softmax GLM's
+        if not last_layer:
+            raise BayescliError(
+                "subset='all' fits softmax classifiers only; use subset='last-layer' for this "
+                "multi-label (bernoulli) model"
+            )
+        if refine_steps > 0:
+            raise BayescliError("refine_steps refines softmax posteriors only; use refine_steps=0")
     if last_layer and features is not None and refine_steps > 0:
         pairs = list(features)
         phi = torch.cat([p for p, _ in pairs])
@@ -373,7 +431,7 @@ def fit_laplace(
         if last_layer:
             stream = features if features is not None else [(phi, labels)]
             post = LaplacePosterior.fit_last_layer_stream(
-                stream, classifier.head, structure, curvature, backend, batch_size, seed, mean
+                stream, classifier.head, structure, curvature, backend, batch_size, seed, mean, likelihood
             )
         else:
             post = LaplacePosterior.fit_all_layers(classifier, batches, structure, curvature, seed)

@@ -24,7 +24,12 @@ LOG10_RANGE = (-6.0, 6.0)
 
 
 def log_marglik(gaussian: WeightGaussian, log_lik: float, delta: float | torch.Tensor) -> torch.Tensor:
-    """Laplace log marginal likelihood for prior precision ``δ`` (vectorised over ``δ``)."""
+    """Laplace log marginal likelihood for prior precision ``δ`` (vectorised over ``δ``).
+
+    ``log_lik = log p(D | θ*)`` is the classifier's own likelihood at the mode — softmax
+    ``Σ_n log softmax(f_n)_{y_n}`` or Bernoulli ``Σ_nk [y log σ(f) + (1 − y) log(1 − σ(f))]`` —
+    summed by the curvature accumulator that also gave ``H``; the rest depends on the Gaussian only.
+    """
     d = torch.as_tensor(delta, dtype=torch.float64, device=gaussian.mean.device)
     theta2 = gaussian.mean.double().pow(2).sum()
     p = gaussian.num_params

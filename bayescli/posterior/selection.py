@@ -10,6 +10,11 @@ so neither end of the grid is MAP) falls back to a point mass at the MAP head wh
 beats MAP, and records that (``map_fallback``). A minimum at a grid edge extends the grid beyond that
 edge (same log spacing) before it warns. The record (grid, curve, choice, MAP's validation scores)
 goes into the posterior file under ``selection``.
+
+The criteria read the labels' shape: class indices ``[N]`` score the softmax probabilities
+(:mod:`bayescli.metrics`), multi-label ``[N, K]`` indicators score per-label probabilities by the
+means over labels of the per-label binary NLL, ECE and Brier (:mod:`bayescli.metrics_multilabel`),
+so every method selects on multi-label data through the same grid logic.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TypeVar
 import torch
 
 from bayescli.metrics import brier, ece, nll
+from bayescli.metrics_multilabel import check_multilabel, per_label_brier, per_label_ece, per_label_nll
 from bayescli.options import Criterion
 
 __all__ = ["TIE", "Criterion", "Selection", "log_grid", "scores", "select_on_grid", "unvalidated"]
@@ -33,8 +39,13 @@ P = TypeVar("P")
 
 
 def scores(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Every criterion of ``probs [N, K]`` against ``labels [N]``."""
+    """Every criterion of ``probs [N, K]`` against ``labels [N]`` (softmax), or against multi-label
+    ``labels [N, K]`` (per-label probabilities; each criterion the mean over the ``K`` labels)."""
     probs, labels = probs.detach().double().cpu(), labels.cpu()
+    if labels.dim() == 2:
+        check_multilabel(probs, labels)
+        per_label = {"nll": per_label_nll, "ece": per_label_ece, "brier": per_label_brier}
+        return {name: float(fn(probs, labels).mean()) for name, fn in per_label.items()}
     return {"nll": nll(probs, labels), "ece": ece(probs, labels), "brier": brier(probs, labels)}
 
 

@@ -7,6 +7,11 @@
   ``mc`` averages the softmax of the draws, other links see the draws' moment-matched Gaussian.
 * ``ggp``: the same linearised model in function space, Laplace on ``M`` fitting points
   (:mod:`bayescli.predictive.ggp`); pass the fitted :class:`GGPPredictor` as ``ggp``.
+
+A multi-label posterior (``likelihood == "bernoulli"``) has a sigmoid per class: its ``glm``
+predictive reads only the per-label logit means and variances ``[N, K]`` (the diagonal of
+``J Σ Jᵀ``, which the structures give without a per-input Jacobian) and maps each label through
+a sigmoid link (:mod:`bayescli.predictive.sigmoid_links`: ``none``, ``probit``, ``mc``, ``beta``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.links import LinkOutput, apply_link
+from bayescli.predictive.sigmoid_links import SigmoidLink, SigmoidLinkOutput, apply_sigmoid_link
 
 
 @dataclass
 class Prediction:
-    """Probabilities ``[N, K]`` and what produced them."""
+    """Probabilities ``[N, K]`` and what produced them; ``per_label`` holds a multi-label
+    posterior's per-label link output (Beta parameters, spread, mutual information ``[N, K]``)."""
 
     probs: torch.Tensor
     logits: LogitGaussian | None
@@ -41,6 +48,7 @@ class Prediction:
     link: str
     timings: dict = field(default_factory=dict)
     expected_entropy: torch.Tensor | None = None
+    per_label: SigmoidLinkOutput | None = None
 
     @property
     def logit_mean(self) -> torch.Tensor | None:
@@ -87,6 +95,33 @@ def _bnn_logits(
     return torch.cat(parts, dim=1)
 
 
+def map_probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
+    """MAP's probabilities ``[N, K]`` from ``logits [N, K]``: a softmax over the classes, or a
+    sigmoid per label for a ``bernoulli`` (multi-label) classifier."""
+    return logits.sigmoid() if likelihood == "bernoulli" else logits.softmax(-1)
+
+
+def sigmoid_link(link: Link, predictive: Predictive, fit_dirichlet: bool = False) -> SigmoidLink:
+    """The per-label link of a multi-label posterior for ``link``; softmax-only choices are refused."""
+    if predictive is not Predictive.GLM:
+        raise BayescliError(
+            f"predictive '{predictive.value}' serves softmax posteriors only; multi-label (bernoulli) "
+            "posteriors use the glm predictive"
+        )
+    if fit_dirichlet:
+        raise BayescliError(
+            "a fitted Dirichlet is a softmax output; multi-label posteriors get a Beta per label "
+            "from link 'beta'"
+        )
+    try:
+        return SigmoidLink(link.value)
+    except ValueError:
+        choices = ", ".join(v.value for v in SigmoidLink)
+        raise BayescliError(
+            f"link '{link.value}' is a softmax link; multi-label (bernoulli) posteriors take {choices}"
+        ) from None
+
+
 def predict(
     posterior: Posterior,
     feats: Features,
@@ -106,9 +141,13 @@ def predict(
     All-layer posteriors and the all-layer BNN predictive also need ``classifier`` and ``data``.
     Everything runs on the device of ``feats`` (random draws from a generator seeded there).
     Timings (seconds) of the forward pass, the predictive and the link are recorded separately
-    (on a GPU each is synchronised first, so it counts its own kernels).
+    (on a GPU each is synchronised first, so it counts its own kernels). A multi-label posterior
+    takes the glm predictive with the links ``none``, ``probit``, ``mc`` or ``beta`` (module docs).
     """
     predictive, link = Predictive(predictive), Link(link)
+    bernoulli = posterior.likelihood == "bernoulli"
+    label_link = sigmoid_link(link, predictive, fit_dirichlet) if bernoulli else None
+    per_label = None
     dev = feats.phi.device
     gen = devices.generator(dev, seed)
     timings = {"forward": feats.seconds}
@@ -125,7 +164,11 @@ def predict(
         devices.synchronize(dev)
         timings["predictive"] = time.perf_counter() - start
         start = time.perf_counter()
-        out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
+        if label_link is not None:
+            per_label = apply_sigmoid_link(lg.mean, lg.var, label_link, samples, seed)
+            out = LinkOutput(per_label.probs, std=per_label.std)
+        else:
+            out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
     else:
         draws = _bnn_logits(posterior, feats, classifier, data, samples, gen, batch_size)
         centred = draws - draws.mean(0)
@@ -144,5 +187,13 @@ def predict(
     devices.synchronize(dev)
     timings["link"] = time.perf_counter() - start
     return Prediction(
-        out.probs, lg, out.alpha, out.std, predictive.value, link.value, timings, out.expected_entropy
+        out.probs,
+        lg,
+        out.alpha,
+        out.std,
+        predictive.value,
+        link.value,
+        timings,
+        out.expected_entropy,
+        per_label,
     )

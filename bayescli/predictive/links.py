@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bayescli import devices
+from bayescli.errors import BayescliError
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link
 from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
 from bayescli.predictive import dirichlet
@@ -140,5 +141,10 @@ def apply_link(
     if link is Link.MC:
         gen = generator if generator is not None else devices.generator(lg.mean.device, 0)
         return monte_carlo(lg, samples, gen, fit_dirichlet)
+    if link is Link.BETA:
+        raise BayescliError(
+            "link 'beta' (a Beta per label) is for multi-label posteriors; a softmax posterior's "
+            "Dirichlet link is 'bridge'"
+        )
     alpha = bridge(lg, correction)
     return LinkOutput(dirichlet.mean(alpha).to(lg.mean.dtype), alpha)

@@ -1,5 +1,7 @@
 """What a prediction file holds per input: JSON rows (prediction, top-5, entropy, label) and the
-Dirichlet quantities of a bridge or fitted Dirichlet output."""
+Dirichlet quantities of a bridge or fitted Dirichlet output; for multi-label posteriors, rows of
+per-label probabilities (the labels predicted present, each label's probability) and the per-label
+quantities of the sigmoid links (mutual information, Beta parameters)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from collections.abc import Iterator
 import torch
 
 from bayescli.metrics import entropy
+from bayescli.metrics_multilabel import THRESHOLD, binary_entropy, multilabel_summary
 from bayescli.predictive import dirichlet
+from bayescli.predictive.sigmoid_links import SigmoidLinkOutput
 
 
 def dirichlet_fields(alpha: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,3 +64,48 @@ def prediction_rows(
             for key in extra:
                 row[key] = cols[key][j]
             yield row
+
+
+def per_label_fields(out: SigmoidLinkOutput) -> dict[str, torch.Tensor]:
+    """Per-label quantities ``[N, K]`` of a multi-label link output, those it has: the mutual
+    information between each label and the weights and expected binary entropy (``mc``, ``beta``)
+    and the moment-matched ``Beta(beta_alpha, beta_beta)`` (``beta``)."""
+    fields = {
+        "mutual_information": out.mutual_information,
+        "expected_entropy": out.expected_entropy,
+        "beta_alpha": out.alpha,
+        "beta_beta": out.beta,
+    }
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def multilabel_scores(probs: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:
+    """Scalar metrics of per-label ``probs [N, K]``: with ``labels [N, K]`` those of
+    :func:`~bayescli.metrics_multilabel.multilabel_summary` (means over labels; its per-label lists
+    left out), without them the mean binary entropy of the cells only."""
+    if labels is None:
+        return {"mean_entropy": binary_entropy(probs).mean().item()}
+    return {k: v for k, v in multilabel_summary(probs, labels).items() if k != "per_label"}
+
+
+def multilabel_rows(
+    probs: torch.Tensor,
+    labels: torch.Tensor | None,
+    names: list[str],
+    extra: dict[str, torch.Tensor],
+    chunk: int = 4096,
+) -> Iterator[dict]:
+    """One JSON row per input of per-label ``probs [N, K]``: the names of the labels predicted
+    present (``p ≥ 0.5``), every label's probability, ``labels [N, K]`` when known and each
+    ``extra`` tensor's row ``[N, K]``; converted chunk by chunk like :func:`prediction_rows`."""
+    for start in range(0, len(probs), chunk):
+        sl = slice(start, start + chunk)
+        rows = probs[sl].tolist()
+        cols = {key: value[sl].tolist() for key, value in extra.items()}
+        if labels is not None:
+            cols["label"] = labels[sl].tolist()
+        for j, p in enumerate(rows):
+            present = [name for name, pk in zip(names, p, strict=True) if pk >= THRESHOLD]
+            yield {"index": start + j, "predicted": present, "probs": p} | {
+                key: value[j] for key, value in cols.items()
+            }
