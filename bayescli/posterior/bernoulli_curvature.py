@@ -37,10 +37,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bayescli import devices, parallel
 from bayescli.errors import BayescliError
 from bayescli.options import CurvatureType, HessianStructure
-from bayescli.posterior.curvature import Curvature
+from bayescli.posterior.curvature import ChunkedAccumulator, Curvature, outer_product_factors
 from bayescli.posterior.gaussian import MAX_FULL_PARAMS
 
 
@@ -62,9 +61,7 @@ def bernoulli_log_likelihood(logits: torch.Tensor, labels: torch.Tensor) -> torc
     where ``log sigmoid`` would round to ``log 0``.
     """
     check_multilabel(labels, *logits.shape)
-    return -nn.functional.binary_cross_entropy_with_logits(
-        logits.double(), labels.double(), reduction="sum"
-    )
+    return -nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="sum")
 
 
 def _closed_form_batch(
@@ -90,23 +87,16 @@ def _closed_form_batch(
         err = probs - labels.to(probs.dtype)
     else:  # one sampled label vector per input: E[ê êᵀ] = diag(p(1 − p)) = Λ
         err = probs - torch.bernoulli(probs, generator=gen)
-    if structure is HessianStructure.DIAG:
-        return (err.pow(2).T @ phi_aug.pow(2),)
-    if structure is HessianStructure.KRON:
-        return (err.T @ err, phi_aug.T @ phi_aug)
-    grads = (err[:, :, None] * phi_aug[:, None, :]).reshape(len(err), -1)  # [B, P] per-input gradients
-    return (grads.T @ grads,)
+    return outer_product_factors(structure, err, phi_aug)
 
 
-class BernoulliCurvatureAccumulator:
+class BernoulliCurvatureAccumulator(ChunkedAccumulator):
     """Last-layer BCE curvature and Bernoulli log-likelihood of ``f = W̃ φ̃``, summed batch by batch.
 
     The multi-label counterpart of :class:`~bayescli.posterior.curvature.CurvatureAccumulator`,
-    with the same contract: ``update(phi_aug [B, D+1], labels [B, K] or None)`` any number of
-    times, then :meth:`finish`. Rows are regrouped into chunks of exactly ``batch_size`` and every
-    chunk is computed in float64, so the result does not depend on how the stream was batched;
-    under ``torchrun`` the per-process sums are all-reduced in :meth:`finish`. Memory: one chunk of
-    ``φ̃`` plus the factors; everything stays on ``weight_aug``'s device.
+    with the same contract (:class:`~bayescli.posterior.curvature.ChunkedAccumulator`):
+    ``update(phi_aug [B, D+1], labels [B, K] or None)`` any number of times, then :meth:`finish`.
+    Every chunk is computed in float64; everything stays on ``weight_aug``'s device.
     """
 
     def __init__(
@@ -126,84 +116,27 @@ class BernoulliCurvatureAccumulator:
                 f"hessian='full' on a {d1 - 1}→{k} head has {k * d1:,} parameters "
                 f"(limit {MAX_FULL_PARAMS:,}); use hessian='kron' or 'diag'"
             )
-        self.structure, self.curvature = structure, curvature
-        self.batch_size = batch_size
-        self.gen = devices.generator(weight_aug.device, seed)
+        self._start(weight_aug, structure, curvature, batch_size, seed)
         self.weight64 = weight_aug.detach().double()
-        self.totals: list[torch.Tensor] | None = None
-        self.n = 0
-        self.log_lik = torch.zeros((), dtype=torch.float64, device=weight_aug.device)
-        self.labelled = True
-        self._phi: list[torch.Tensor] = []
-        self._labels: list[torch.Tensor | None] = []
-        self._buffered = 0
 
     def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """Add features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head) and their
         labels ``[B, K]`` in ``{0, 1}`` (``None``: unlabelled, allowed for ``ggn`` and ``ggn-mc``)."""
-        k, d1 = self.weight64.shape
+        d1 = self.weight64.shape[1]
         if phi_aug.dim() != 2 or phi_aug.shape[1] != d1:
             raise BayescliError(f"features must be [B, {d1}] for this head, got {list(phi_aug.shape)}")
-        if labels is None:
-            if self.curvature is CurvatureType.EF:
-                raise BayescliError("curvature='ef' needs labelled fitting data")
-            self.labelled = False
-        else:
-            check_multilabel(labels, len(phi_aug), k)
-        self._phi.append(phi_aug)
-        self._labels.append(labels)
-        self._buffered += len(phi_aug)
-        while self._buffered >= self.batch_size:
-            self._drain(self.batch_size)
+        super().update(phi_aug, labels)
 
-    def _drain(self, rows: int) -> None:
-        phi = torch.cat(self._phi)
-        labels = torch.cat(self._labels) if self.labelled else None
-        self._chunk(phi[:rows], None if labels is None else labels[:rows])
-        rest = len(phi) - rows
-        self._phi = [phi[rows:]] if rest else []
-        self._labels = [None if labels is None else labels[rows:]] if rest else []
-        self._buffered = rest
+    def _check(self, phi_aug: torch.Tensor, labels: torch.Tensor) -> None:
+        check_multilabel(labels, len(phi_aug), self.weight64.shape[0])
 
     def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
         # float64 per chunk: the factors are sums of terms rounded to 1e-16, so other batch or
         # process splits change them by ~1e-15 only (as in the softmax accumulator)
         xb = phi.to(self.weight64)
         logits = xb @ self.weight64.T
-        part = _closed_form_batch(
-            self.structure, self.curvature, xb, torch.sigmoid(logits), labels, self.gen
-        )
-        if labels is not None:
-            self.log_lik += bernoulli_log_likelihood(logits, labels)
-        if self.totals is None:
-            self.totals = list(part)
-        else:
-            self.totals = [t + p for t, p in zip(self.totals, part, strict=True)]
-        self.n += len(xb)
-
-    def finish(self) -> Curvature:
-        """The summed curvature of every row added (``A`` of ``kron`` is the mean, see module docs)."""
-        if self._buffered:
-            self._drain(self._buffered)
-        if self.totals is None:
-            raise BayescliError("no fitting data: the feature stream was empty")
-        if parallel.world().distributed:
-            # Each process summed its shard; the sums of all shards are the one-process sums.
-            self.totals = [parallel.all_reduce_sum(t) for t in self.totals]
-            self.n = int(parallel.all_reduce_sum(torch.tensor([float(self.n)])).item())
-            self.log_lik = parallel.all_reduce_sum(self.log_lik.reshape(1))[0]
-            self.labelled = parallel.all_reduce_max(0.0 if self.labelled else 1.0) == 0.0
-        n, totals = self.n, self.totals
-        if self.structure is HessianStructure.DIAG:
-            return Curvature(self.structure, n, diag=totals[0])
-        if self.structure is HessianStructure.KRON:
-            return Curvature(self.structure, n, kron=(totals[0], totals[1] / n))
-        return Curvature(self.structure, n, full=totals[0])
-
-    @property
-    def log_likelihood(self) -> float | None:
-        """``Σ_n Σ_k log p(y_nk | x_n, W̃)`` over the rows added, or ``None`` if any batch had no labels."""
-        return float(self.log_lik) if self.labelled and self.n else None
+        part = _closed_form_batch(self.structure, self.curvature, xb, torch.sigmoid(logits), labels, self.gen)
+        self._add(part, len(xb), None if labels is None else bernoulli_log_likelihood(logits, labels))
 
 
 def bernoulli_last_layer_curvature(

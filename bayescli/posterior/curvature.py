@@ -82,11 +82,19 @@ def _closed_form_batch(
     else:  # one sampled label per input: E[e eᵀ] = Λ
         sampled = torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
         err = _residual(probs, sampled)
+    return outer_product_factors(structure, err, phi_aug)
+
+
+def outer_product_factors(
+    structure: HessianStructure, err: torch.Tensor, phi_aug: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``Σ_b (e_b e_bᵀ) ⊗ (φ̃_bφ̃_bᵀ)`` of residuals ``err [B, K]`` (empirical and MC Fisher, any
+    likelihood): its diagonal ``[K, D+1]``, its Kronecker factors, or the dense ``[P, P]``."""
     if structure is HessianStructure.DIAG:
         return (err.pow(2).T @ phi_aug.pow(2),)
     if structure is HessianStructure.KRON:
         return (err.T @ err, phi_aug.T @ phi_aug)
-    grads = (err[:, :, None] * phi_aug[:, None, :]).reshape(len(err), -1)
+    grads = (err[:, :, None] * phi_aug[:, None, :]).reshape(len(err), -1)  # [B, P] per-input gradients
     return (grads.T @ grads,)
 
 
@@ -125,17 +133,109 @@ def _backpack_batch(
     return (value.detach().clone(),)
 
 
-class CurvatureAccumulator:
-    """Last-layer curvature and log-likelihood of the head ``f = W̃ φ̃`` summed batch by batch.
+class ChunkedAccumulator:
+    """What every last-layer curvature accumulator shares: rows regrouped into chunks of exactly
+    ``batch_size`` (so the result does not depend on how the stream was batched: a streamed fit
+    equals the in-memory one to the last bit), float64 sums of the chunks' factors and of the
+    log-likelihood (while every batch has labels), the all-reduce of per-process sums under
+    ``torchrun``, and the :class:`Curvature` they make. A subclass sets the fields in
+    :meth:`_start` and computes one chunk in :meth:`_chunk`, adding it with :meth:`_add`.
+    """
 
-    ``update(phi_aug [B, D+1], labels [B] or None)`` any number of times, then :meth:`finish`.
-    Rows are regrouped into chunks of exactly ``batch_size`` before they are summed, so the
-    result does not depend on how the stream was batched: a streamed fit equals the in-memory one
-    (:func:`last_layer_curvature`) to the last bit. Memory: one chunk of ``φ̃`` plus the factors.
-    Everything stays on ``weight_aug``'s device (the float64 sums included): no batch goes back
-    to the host.
-    The log-likelihood ``Σ log softmax(W̃φ̃)_y`` (float64) is summed alongside while every batch
-    has labels.
+    def _start(
+        self,
+        weight_aug: torch.Tensor,
+        structure: HessianStructure,
+        curvature: CurvatureType,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        self.structure, self.curvature, self.batch_size = structure, curvature, batch_size
+        self.gen = devices.generator(weight_aug.device, seed)
+        self.totals: list[torch.Tensor] | None = None
+        self.n = 0
+        self.log_lik = torch.zeros((), dtype=torch.float64, device=weight_aug.device)
+        self.labelled = True
+        self._phi: list[torch.Tensor] = []
+        self._labels: list[torch.Tensor | None] = []
+        self._buffered = 0
+
+    def _check(self, phi_aug: torch.Tensor, labels: torch.Tensor) -> None:
+        """Raise if a labelled batch does not suit the head (a subclass's own checks)."""
+
+    def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Add a batch of features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head) and
+        its labels (``None``: unlabelled, allowed for ``ggn`` and ``ggn-mc``)."""
+        if labels is None:
+            if self.curvature is CurvatureType.EF:
+                raise BayescliError("curvature='ef' needs labelled fitting data")
+            self.labelled = False
+        else:
+            self._check(phi_aug, labels)
+        self._phi.append(phi_aug)
+        self._labels.append(labels)
+        self._buffered += len(phi_aug)
+        while self._buffered >= self.batch_size:
+            self._drain(self.batch_size)
+
+    def _drain(self, rows: int) -> None:
+        phi = torch.cat(self._phi) if len(self._phi) > 1 else self._phi[0]
+        labels = (
+            None
+            if not self.labelled
+            else torch.cat(self._labels)
+            if len(self._labels) > 1
+            else self._labels[0]
+        )
+        self._chunk(phi[:rows], None if labels is None else labels[:rows])
+        rest = len(phi) - rows
+        self._phi = [phi[rows:]] if rest else []
+        self._labels = [None if labels is None else labels[rows:]] if rest else []
+        self._buffered = rest
+
+    def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _add(self, part: tuple[torch.Tensor, ...], rows: int, log_lik: torch.Tensor | None) -> None:
+        """Sum a chunk's factors (in float64 whatever the batch dtype) and its log-likelihood."""
+        part = [p.double() for p in part]
+        self.totals = part if self.totals is None else [t + p for t, p in zip(self.totals, part, strict=True)]
+        self.n += rows
+        if log_lik is not None:
+            self.log_lik += log_lik
+
+    def finish(self) -> Curvature:
+        """The summed curvature of every row added (``A`` of ``kron`` is the mean, see module docs)."""
+        if self._buffered:
+            self._drain(self._buffered)
+        if self.totals is None:
+            raise BayescliError("no fitting data: the feature stream was empty")
+        if parallel.world().distributed:
+            # Each process summed its shard; the sums of all shards are the one-process sums.
+            self.totals = [parallel.all_reduce_sum(t) for t in self.totals]
+            self.n = int(parallel.all_reduce_sum(torch.tensor([float(self.n)])).item())
+            self.log_lik = parallel.all_reduce_sum(self.log_lik.reshape(1))[0]
+            self.labelled = parallel.all_reduce_max(0.0 if self.labelled else 1.0) == 0.0
+        n, totals = self.n, self.totals
+        if self.structure is HessianStructure.DIAG:
+            return Curvature(self.structure, n, diag=totals[0])
+        if self.structure is HessianStructure.KRON:
+            return Curvature(self.structure, n, kron=(totals[0], totals[1] / n))
+        return Curvature(self.structure, n, full=totals[0])
+
+    @property
+    def log_likelihood(self) -> float | None:
+        """``Σ_n log p(y_n | x_n, W̃)`` over the rows added, or ``None`` if any batch had no labels."""
+        return float(self.log_lik) if self.labelled and self.n else None
+
+
+class CurvatureAccumulator(ChunkedAccumulator):
+    """Last-layer softmax curvature and log-likelihood of the head ``f = W̃ φ̃`` summed batch by batch.
+
+    ``update(phi_aug [B, D+1], labels [B] or None)`` any number of times, then :meth:`finish`
+    (:class:`ChunkedAccumulator`). Memory: one chunk of ``φ̃`` plus the factors. Everything stays
+    on ``weight_aug``'s device (the float64 sums included): no batch goes back to the host.
+    The log-likelihood is ``Σ log softmax(W̃φ̃)_y`` (float64).
     """
 
     def __init__(
@@ -162,9 +262,8 @@ class CurvatureAccumulator:
             backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
         if backend is Backend.BACKPACK and structure is HessianStructure.FULL:
             backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
-        self.structure, self.curvature, self.backend = structure, curvature, backend
-        self.batch_size = batch_size
-        self.gen = devices.generator(weight_aug.device, seed)
+        self._start(weight_aug, structure, curvature, batch_size, seed)
+        self.backend = backend
         weight_aug = weight_aug.detach()
         if structure is HessianStructure.FULL:
             weight_aug = weight_aug.double()  # its eigendecomposition needs the accuracy
@@ -177,40 +276,6 @@ class CurvatureAccumulator:
             self.lin = extend(nn.Linear(weight_aug.shape[1], k, bias=False).to(weight_aug))
             self.lin.weight.data.copy_(weight_aug)
             self.loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
-        self.totals: list[torch.Tensor] | None = None
-        self.n = 0
-        self.log_lik = torch.zeros((), dtype=torch.float64, device=weight_aug.device)
-        self.labelled = True
-        self._phi: list[torch.Tensor] = []
-        self._labels: list[torch.Tensor | None] = []
-        self._buffered = 0
-
-    def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """Add a batch of features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head)."""
-        if labels is None:
-            if self.curvature is CurvatureType.EF:
-                raise BayescliError("curvature='ef' needs labelled fitting data")
-            self.labelled = False
-        self._phi.append(phi_aug)
-        self._labels.append(labels)
-        self._buffered += len(phi_aug)
-        while self._buffered >= self.batch_size:
-            self._drain(self.batch_size)
-
-    def _drain(self, rows: int) -> None:
-        phi = torch.cat(self._phi) if len(self._phi) > 1 else self._phi[0]
-        labels = (
-            None
-            if not self.labelled
-            else torch.cat(self._labels)
-            if len(self._labels) > 1
-            else self._labels[0]
-        )
-        self._chunk(phi[:rows], None if labels is None else labels[:rows])
-        rest = len(phi) - rows
-        self._phi = [phi[rows:]] if rest else []
-        self._labels = [None if labels is None else labels[rows:]] if rest else []
-        self._buffered = rest
 
     def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
         xb = phi.to(self.weight)
@@ -227,35 +292,10 @@ class CurvatureAccumulator:
             part = _closed_form_batch(
                 self.structure, self.curvature, xb, logits.softmax(-1), labels, self.gen
             )
-        if labels is not None:
-            self.log_lik -= nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
-        part = [p.double() for p in part]  # accumulated in float64 whatever the batch dtype
-        self.totals = part if self.totals is None else [t + p for t, p in zip(self.totals, part, strict=True)]
-        self.n += len(xb)
-
-    def finish(self) -> Curvature:
-        """The summed curvature of every row added (``A`` of ``kron`` is the mean, see module docs)."""
-        if self._buffered:
-            self._drain(self._buffered)
-        if self.totals is None:
-            raise BayescliError("no fitting data: the feature stream was empty")
-        if parallel.world().distributed:
-            # Each process summed its shard; the sums of all shards are the one-process sums.
-            self.totals = [parallel.all_reduce_sum(t) for t in self.totals]
-            self.n = int(parallel.all_reduce_sum(torch.tensor([float(self.n)])).item())
-            self.log_lik = parallel.all_reduce_sum(self.log_lik.reshape(1))[0]
-            self.labelled = parallel.all_reduce_max(0.0 if self.labelled else 1.0) == 0.0
-        n, totals = self.n, self.totals
-        if self.structure is HessianStructure.DIAG:
-            return Curvature(self.structure, n, diag=totals[0])
-        if self.structure is HessianStructure.KRON:
-            return Curvature(self.structure, n, kron=(totals[0], totals[1] / n))
-        return Curvature(self.structure, n, full=totals[0])
-
-    @property
-    def log_likelihood(self) -> float | None:
-        """``Σ_n log p(y_n | x_n, W̃)`` over the rows added, or ``None`` if any batch had no labels."""
-        return float(self.log_lik) if self.labelled and self.n else None
+        log_lik = (
+            None if labels is None else -nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
+        )
+        self._add(part, len(xb), log_lik)
 
 
 def last_layer_curvature(
