@@ -1,8 +1,8 @@
 """Post-hoc Dirichlet fVI at ImageNet head size: fit time, memory and predictive cost.
 
 Head ensemble (M = 10, the default family) over 20,000 synthetic post-ReLU 2048-d features,
-K = 1000, the default schedule (``DirichletFVIConfig()``: 10 epochs, B = 256, Adam 1e-3) at the seed's
-τ = 10/K (``default_tau``, given explicitly: unset, τ would be scaled to N = 20,000).
+K = 1000, the default schedule (``DirichletFVIConfig()``: 2 epochs at this N, B = 256, Adam 1e-3) at
+the seed's τ = 10/K (``default_tau``, given explicitly: unset, τ would be scaled to N = 20,000).
 Reports seconds per epoch and in total (target ≤ 5 min on 2 cores), peak RSS (target ≤ 3 GiB), and
 the predictive (Dirichlet + Laplace-bridge logit Gaussian) over 10,000 inputs as a ratio to the
 plain head forward (target ≤ 12× for M = 10; the M heads alone are 10× its FLOPs; the rest is the
@@ -38,6 +38,7 @@ from bayescli.fit_source import FitSource  # noqa: E402
 from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
 from bayescli.options import Subset  # noqa: E402
 from bayescli.posterior.base import load_posterior  # noqa: E402
+from bayescli.posterior.vi.budget import head_epochs  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, default_tau, fit  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (  # noqa: E402
@@ -137,7 +138,8 @@ def main() -> None:
         post, fit = fitted(args.posterior, model, train, cfg)
     hist = post.meta.get("history", [])
     print(
-        f"family {post.family}, M={post.members}, tau={post.tau:g}, {cfg.epochs} epochs, B={cfg.batch_size}"
+        f"family {post.family}, M={post.members}, tau={post.tau:g}, "
+        f"{head_epochs(cfg.epochs, N_TRAIN, cfg.batch_size)} epochs, B={cfg.batch_size}"
     )
     if fit is not None:
         total, cpu, load = fit
