@@ -40,7 +40,6 @@ from torch import nn
 from bayescli.errors import BayescliError
 from bayescli.options import CurvatureType, HessianStructure
 from bayescli.posterior.curvature import ChunkedAccumulator, Curvature, outer_product_factors
-from bayescli.posterior.gaussian import MAX_FULL_PARAMS
 
 
 def check_multilabel(labels: torch.Tensor, n: int, k: int) -> None:
@@ -110,25 +109,18 @@ class BernoulliCurvatureAccumulator(ChunkedAccumulator):
         structure, curvature = HessianStructure(structure), CurvatureType(curvature)
         if weight_aug.dim() != 2:
             raise BayescliError(f"head weights must be [K, D+1], got shape {list(weight_aug.shape)}")
-        k, d1 = weight_aug.shape
-        if structure is HessianStructure.FULL and k * d1 > MAX_FULL_PARAMS:
-            raise BayescliError(
-                f"hessian='full' on a {d1 - 1}→{k} head has {k * d1:,} parameters "
-                f"(limit {MAX_FULL_PARAMS:,}); use hessian='kron' or 'diag'"
-            )
-        self._start(weight_aug, structure, curvature, batch_size, seed)
+        super().__init__(weight_aug, structure, curvature, batch_size, seed)
         self.weight64 = weight_aug.detach().double()
 
     def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """Add features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head) and their
         labels ``[B, K]`` in ``{0, 1}`` (``None``: unlabelled, allowed for ``ggn`` and ``ggn-mc``)."""
-        d1 = self.weight64.shape[1]
+        k, d1 = self.weight64.shape
         if phi_aug.dim() != 2 or phi_aug.shape[1] != d1:
             raise BayescliError(f"features must be [B, {d1}] for this head, got {list(phi_aug.shape)}")
+        if labels is not None:
+            check_multilabel(labels, len(phi_aug), k)
         super().update(phi_aug, labels)
-
-    def _check(self, phi_aug: torch.Tensor, labels: torch.Tensor) -> None:
-        check_multilabel(labels, len(phi_aug), self.weight64.shape[0])
 
     def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
         # float64 per chunk: the factors are sums of terms rounded to 1e-16, so other batch or

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from torch import nn
 from bayescli import devices, parallel
 from bayescli.errors import BayescliError
 from bayescli.options import Backend, CurvatureType, HessianStructure
+from bayescli.posterior.gaussian import MAX_FULL_PARAMS
 
 
 @dataclass
@@ -133,16 +135,17 @@ def _backpack_batch(
     return (value.detach().clone(),)
 
 
-class ChunkedAccumulator:
+class ChunkedAccumulator(ABC):
     """What every last-layer curvature accumulator shares: rows regrouped into chunks of exactly
     ``batch_size`` (so the result does not depend on how the stream was batched: a streamed fit
     equals the in-memory one to the last bit), float64 sums of the chunks' factors and of the
     log-likelihood (while every batch has labels), the all-reduce of per-process sums under
-    ``torchrun``, and the :class:`Curvature` they make. A subclass sets the fields in
-    :meth:`_start` and computes one chunk in :meth:`_chunk`, adding it with :meth:`_add`.
+    ``torchrun``, and the :class:`Curvature` they make; ``full`` is refused past
+    :data:`~bayescli.posterior.gaussian.MAX_FULL_PARAMS` parameters. A subclass computes one chunk
+    in :meth:`_chunk`, adding it with :meth:`_add`.
     """
 
-    def _start(
+    def __init__(
         self,
         weight_aug: torch.Tensor,
         structure: HessianStructure,
@@ -150,6 +153,12 @@ class ChunkedAccumulator:
         batch_size: int,
         seed: int,
     ) -> None:
+        k, d1 = weight_aug.shape
+        if structure is HessianStructure.FULL and k * d1 > MAX_FULL_PARAMS:
+            raise BayescliError(
+                f"hessian='full' on a {d1 - 1}→{k} head has {k * d1:,} parameters "
+                f"(limit {MAX_FULL_PARAMS:,}); use hessian='kron' or 'diag'"
+            )
         self.structure, self.curvature, self.batch_size = structure, curvature, batch_size
         self.gen = devices.generator(weight_aug.device, seed)
         self.totals: list[torch.Tensor] | None = None
@@ -160,9 +169,6 @@ class ChunkedAccumulator:
         self._labels: list[torch.Tensor | None] = []
         self._buffered = 0
 
-    def _check(self, phi_aug: torch.Tensor, labels: torch.Tensor) -> None:
-        """Raise if a labelled batch does not suit the head (a subclass's own checks)."""
-
     def update(self, phi_aug: torch.Tensor, labels: torch.Tensor | None = None) -> None:
         """Add a batch of features ``phi_aug [B, D+1]`` (``φ̃``, or ``φ`` for a bias-free head) and
         its labels (``None``: unlabelled, allowed for ``ggn`` and ``ggn-mc``)."""
@@ -170,8 +176,6 @@ class ChunkedAccumulator:
             if self.curvature is CurvatureType.EF:
                 raise BayescliError("curvature='ef' needs labelled fitting data")
             self.labelled = False
-        else:
-            self._check(phi_aug, labels)
         self._phi.append(phi_aug)
         self._labels.append(labels)
         self._buffered += len(phi_aug)
@@ -193,8 +197,9 @@ class ChunkedAccumulator:
         self._labels = [None if labels is None else labels[rows:]] if rest else []
         self._buffered = rest
 
+    @abstractmethod
     def _chunk(self, phi: torch.Tensor, labels: torch.Tensor | None) -> None:
-        raise NotImplementedError
+        """Compute one chunk's factors and log-likelihood and :meth:`_add` them."""
 
     def _add(self, part: tuple[torch.Tensor, ...], rows: int, log_lik: torch.Tensor | None) -> None:
         """Sum a chunk's factors (in float64 whatever the batch dtype) and its log-likelihood."""
@@ -252,17 +257,12 @@ class CurvatureAccumulator(ChunkedAccumulator):
             CurvatureType(curvature),
             Backend(backend),
         )
+        super().__init__(weight_aug, structure, curvature, batch_size, seed)
         k = weight_aug.shape[0]
-        if structure is HessianStructure.FULL and k * weight_aug.shape[1] > 20_000:
-            raise BayescliError(
-                f"hessian='full' on a {weight_aug.shape[1] - 1}→{k} head has {k * weight_aug.shape[1]:,} "
-                "parameters (limit 20,000); use hessian='kron' or 'diag'"
-            )
         if backend is Backend.AUTO:
             backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
         if backend is Backend.BACKPACK and structure is HessianStructure.FULL:
             backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
-        self._start(weight_aug, structure, curvature, batch_size, seed)
         self.backend = backend
         weight_aug = weight_aug.detach()
         if structure is HessianStructure.FULL:
