@@ -142,6 +142,17 @@ def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
+def peek_metadata(path: str | Path) -> dict:
+    """The bayescli metadata of a ``.safetensors`` file from its header alone, without reading the
+    tensors; ``{}`` when the file is missing or unreadable (reading it in full says why)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+        return json.loads(raw.get(METADATA_KEY, "{}"))
+    except (SafetensorError, OSError, ValueError):  # JSONDecodeError is a ValueError
+        return {}
+
+
 def sha256_file(path: str | Path) -> str:
     """Hex SHA-256 of a file's bytes."""
     h = hashlib.sha256()

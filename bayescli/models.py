@@ -261,13 +261,14 @@ class LoadedModel:
         """``categorical`` (softmax; checkpoints that do not say) or ``bernoulli`` (a sigmoid per class)."""
         return str(self.metadata.get("likelihood", "categorical"))
 
-    def require_categorical(self, what: str) -> None:
-        """Raise unless the classifier is a softmax one (multi-label posteriors are not built yet)."""
+    def require_categorical(self, what: str, why: str | None = None) -> None:
+        """Raise unless the classifier is a softmax one; ``why`` replaces the default reason (the
+        command does not support multi-label classifiers yet) with the real one."""
         if self.likelihood != "categorical":
+            reason = why or f"{what} supports softmax classifiers only so far; use a categorical checkpoint"
             raise BayescliError(
                 f"{self.checkpoint} is a multi-label classifier (likelihood '{self.likelihood}', a "
-                f"sigmoid per class), but {what} supports softmax classifiers only so far; use a "
-                "categorical checkpoint"
+                f"sigmoid per class), but {reason}"
             )
 
     @property

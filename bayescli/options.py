@@ -117,6 +117,9 @@ class TrainConfig:
 DEFAULT_METHODS = "map,glm-probit,glm-bridge"
 # OOD scores `evaluate` reports when --ood-scores is not given (names as on the command line).
 DEFAULT_OOD_SCORES = "msp,entropy,maxlogit,energy,mahalanobis,knn,alpha0,mi"
+# The same for multi-label (bernoulli) posteriors: the sigmoid links and multi-label OOD scores.
+MULTILABEL_METHODS = "map,glm-probit,glm-mc,glm-beta"
+MULTILABEL_OOD_SCORES = "max-sigmoid,total-entropy,joint-energy,mi-sum,mi-max,knn"
 
 
 class PreprocessPreset(str, Enum):

@@ -5,6 +5,10 @@ NLL / ECE / MMC against rotation angle, corruption severity (mean over corruptio
 ROC curves per OOD set, and conformal coverage against mean set size. The HTML embeds the PNGs
 (base64) and the summary tables (OOD: every score; conformal sets; link fidelity), so it is one
 file that opens anywhere.
+
+A multi-label report (``likelihood: bernoulli``) draws per-label average precision and ECE in
+place of the reliability diagrams, mAP / NLL / ECE / Hamming loss against the shifts, and the
+per-label conformal coverage; its tables add the per-label metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bayescli.io import atomic_path  # noqa: E402
 
 CURVE_METRICS = ("accuracy", "nll", "ece", "mmc")
+MULTILABEL_CURVE_METRICS = ("map", "nll", "ece", "hamming_loss")
+MULTILABEL_METRICS = ["map", "micro_f1", "macro_f1", "hamming_loss", "subset_accuracy", "nll", "brier", "ece"]
+MULTILABEL_METRICS += ["mean_entropy", "subset_accuracy_at_90", "hamming_loss_at_90", "aurc_hamming"]
+PER_LABEL = ("positives", "average_precision", "f1", "nll", "brier", "ece")
 PANEL_COLUMNS = 4  # reliability panels per row
 ROC_COLUMNS = 2  # ROC panels per row (each with its legend beside it)
 LEGEND_OUTSIDE = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0}
@@ -72,11 +80,32 @@ def _reliability(results: dict) -> bytes:
     return _png(fig, tight=False)
 
 
-def _curves(by_x: dict[float, dict], xlabel: str, title: str) -> bytes:
+def _per_label(results: dict) -> bytes:
+    """Per-label average precision and ECE of every method (grouped bars, one group per label)."""
+    rows = results["in_distribution"]
+    methods = list(rows)
+    labels = list(next(iter(rows.values()))["per_label"]["ece"])
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(5.0, 0.4 * len(labels)), 3.2))
+    width = 0.8 / len(methods)
+    for ax, metric, title in zip(
+        axes, ("average_precision", "ece"), ("average precision", "ECE"), strict=True
+    ):
+        for i, m in enumerate(methods):
+            values = [rows[m]["per_label"][metric][k] for k in labels]
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(xs, [0 if v is None else v for v in values], width=width, label=m)
+        ax.set(title=f"per label: {title}", xlabel="label", xticks=range(len(labels)), xticklabels=labels)
+    axes[-1].legend(**LEGEND_OUTSIDE)
+    return _png(fig)
+
+
+def _curves(
+    by_x: dict[float, dict], xlabel: str, title: str, metrics: tuple[str, ...] = CURVE_METRICS
+) -> bytes:
     xs = sorted(by_x)
     methods = list(by_x[xs[0]])
-    fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(3.3 * len(CURVE_METRICS), 3.0))
-    for ax, metric in zip(axes, CURVE_METRICS, strict=True):
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.0))
+    for ax, metric in zip(axes, metrics, strict=True):
         for m in methods:
             ax.plot(xs, [by_x[x][m][metric] for x in xs], marker="o", ms=3, label=m)
         ax.set(xlabel=xlabel, title=metric)
@@ -95,9 +124,9 @@ def _roc(ood: dict) -> bytes:
         ax.set_visible(False)
     for ax, name in zip(flat, sets, strict=False):
         for m, res in ood[name].items():
-            score = (
-                "max_prob" if "max_prob" in res else next(k for k, v in res.items() if isinstance(v, dict))
-            )
+            # the confidence score every method has (softmax, multi-label), else the first one
+            preferred = [k for k in ("max_prob", "max_sigmoid") if isinstance(res.get(k), dict)]
+            score = preferred[0] if preferred else next(k for k, v in res.items() if isinstance(v, dict))
             roc = res[score]["roc"]
             ax.plot(roc["fpr"], roc["tpr"], label=f"{m} {score} ({res[score]['auroc']:.3f})")
         ax.plot([0, 1], [0, 1], "k:", lw=1)
@@ -124,33 +153,50 @@ def _conformal(conformal: dict, alpha: float) -> bytes:
     return _png(fig)
 
 
+def _label_coverage(conformal: dict, alpha: float) -> bytes:
+    """Per-label conformal coverage of every method against the target ``1 − α``."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for m, per in conformal.items():
+        coverage = per["lac"]["per_label"]["coverage"]
+        ax.plot(list(coverage), list(coverage.values()), "o-", ms=3, label=m)
+    ax.axhline(1 - alpha, color="k", ls=":", lw=1)
+    ax.set(title="per-label conformal sets (lac)", xlabel="label", ylabel="coverage")
+    ax.legend(**LEGEND_OUTSIDE)
+    return _png(fig)
+
+
 def figures(report: dict) -> dict[str, bytes]:
     """PNG images keyed by a file stem."""
     res = report["results"]
-    out = {"reliability": _reliability(res)}
+    multilabel = report.get("likelihood") == "bernoulli"
+    metrics = MULTILABEL_CURVE_METRICS if multilabel else CURVE_METRICS
+    out = {"per_label": _per_label(res)} if multilabel else {"reliability": _reliability(res)}
     if "rotation" in res:
-        out["rotation"] = _curves({float(k): v for k, v in res["rotation"].items()}, "angle (°)", "rotation")
+        rotation = {float(k): v for k, v in res["rotation"].items()}
+        out["rotation"] = _curves(rotation, "angle (°)", "rotation", metrics)
     if "corruption" in res:
         by_sev: dict[float, dict] = {}
         for per_sev in res["corruption"].values():
             for sev, methods in per_sev.items():
                 slot = by_sev.setdefault(float(sev), {})
-                for m, metrics in methods.items():
-                    acc = slot.setdefault(m, {k: [] for k in CURVE_METRICS})
-                    for k in CURVE_METRICS:
-                        acc[k].append(metrics[k])
+                for m, values in methods.items():
+                    acc = slot.setdefault(m, {k: [] for k in metrics})
+                    for k in metrics:
+                        acc[k].append(values[k])
         mean = {
             s: {m: {k: sum(v) / len(v) for k, v in d.items()} for m, d in ms.items()}
             for s, ms in by_sev.items()
         }
-        out["corruption"] = _curves(mean, "severity", "corruption (mean over corruptions)")
+        out["corruption"] = _curves(mean, "severity", "corruption (mean over corruptions)", metrics)
     if "fgsm" in res:
         eps = report["protocol"]["fgsm"]["epsilons"]
-        out["fgsm"] = _curves({eps[k]: v for k, v in res["fgsm"].items()}, "ε (pixels)", "FGSM")
+        out["fgsm"] = _curves({eps[k]: v for k, v in res["fgsm"].items()}, "ε (pixels)", "FGSM", metrics)
     if "ood" in res:
         out["ood_roc"] = _roc(res["ood"])
     if "conformal" in res:
-        out["conformal"] = _conformal(res["conformal"], report["protocol"]["conformal"]["alpha"])
+        alpha = report["protocol"]["conformal"]["alpha"]
+        draw = _label_coverage if multilabel else _conformal
+        out["conformal"] = draw(res["conformal"], alpha)
     return out
 
 
@@ -205,20 +251,34 @@ def _model_section(report: dict) -> str:
 def render_html(report: dict, images: dict[str, bytes]) -> str:
     """One self-contained HTML page."""
     res = report["results"]
+    multilabel = report.get("likelihood") == "bernoulli"
     metrics = ["accuracy", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "mce", "mmc", "entropy"]
     metrics += ["accuracy_at_90", "aurc"]
+    metrics = MULTILABEL_METRICS if multilabel else metrics
     parts = [_model_section(report)]
     parts += [f"<p class='warn'>warning: {html.escape(w)}</p>" for w in report.get("warnings", [])]
     parts.append(
         _table(
-            "In-distribution",
+            "In-distribution (multi-label: means over labels)" if multilabel else "In-distribution",
             ["method", *metrics],
             [[m, *(v.get(k, "") for k in metrics)] for m, v in res["in_distribution"].items()],
         )
     )
+    if multilabel:
+        rows = [
+            [
+                m,
+                label,
+                *("" if v["per_label"][k][label] is None else v["per_label"][k][label] for k in PER_LABEL),
+            ]
+            for m, v in res["in_distribution"].items()
+            for label in v["per_label"]["ece"]
+        ]
+        parts.append(_table("In-distribution per label", ["method", "label", *PER_LABEL], rows))
+    mean = "mean_max_sigmoid" if multilabel else "mmc"
     if "ood" in res:
         rows = [
-            [name, m, score, d["auroc"], d["aupr_in"], d["aupr_out"], d["fpr95"], r["mmc"]]
+            [name, m, score, d["auroc"], d["aupr_in"], d["aupr_out"], d["fpr95"], r[mean]]
             for name, per in res["ood"].items()
             for m, r in per.items()
             for score, d in r.items()
@@ -227,11 +287,30 @@ def render_html(report: dict, images: dict[str, bytes]) -> str:
         parts.append(
             _table(
                 "Out-of-distribution (in-distribution positive)",
-                ["set", "method", "score", "AUROC", "AUPR-in", "AUPR-out", "FPR@95", "MMC"],
+                ["set", "method", "score", "AUROC", "AUPR-in", "AUPR-out", "FPR@95"]
+                + ["mean max sigmoid" if multilabel else "MMC"],
                 rows,
             )
         )
-    if "conformal" in res:
+    if "conformal" in res and multilabel:
+        rows = [
+            [m, label, per["lac"]["per_label"]["threshold"][label], cov]
+            + [
+                _interval(per["lac"]["per_label"]["coverage_ci"][label]),
+                per["lac"]["per_label"]["mean_size"][label],
+            ]
+            for m, per in res["conformal"].items()
+            for label, cov in per["lac"]["per_label"]["coverage"].items()
+        ]
+        alpha = report["protocol"]["conformal"]["alpha"]
+        parts.append(
+            _table(
+                f"Per-label conformal sets (lac, alpha = {alpha}): coverage holds per label",
+                ["method", "label", "q̂", "coverage", "95% CI (Clopper–Pearson)", "mean size"],
+                rows,
+            )
+        )
+    elif "conformal" in res:
         rows = [
             [m, score, r["threshold"], r.get("coverage", ""), _interval(r.get("coverage_ci"))]
             + [r["mean_size"], t["threshold"], t["mean_size"], t.get("coverage", "")]

@@ -360,6 +360,6 @@ def test_posterior_commands_refuse_mismatched_models_and_data_naming_the_cause(c
     res = cli("fit-laplace", "--model", "builtin:mlp", "--checkpoint", multi, "--data",
               "composed-digits:train", "--out", tmp_path / "m.safetensors")  # fmt: skip
     assert res.code == 0, res.err
-    res = cli("evaluate", "--posterior", tmp_path / "m.safetensors", "--data", "composed-digits:test",
-              "--out", tmp_path / "r.json")  # fmt: skip
+    res = cli("topk", "--posterior", tmp_path / "m.safetensors", "--data", "composed-digits:test")
     assert res.code == 2 and "is a multi-label classifier (likelihood 'bernoulli'" in res.err
+    assert "top-k sets rank the classes of one label, a single-label notion" in res.err

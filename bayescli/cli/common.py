@@ -310,6 +310,13 @@ def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") 
     check(data, num_classes, likelihood)
 
 
+# why a command refuses multi-label (bernoulli) classifiers, where it is not a missing feature
+SOFTMAX_ONLY_REASONS = {
+    "topk": "top-k sets rank the classes of one label, a single-label notion; for multi-label "
+    "posteriors use `bayescli conformal` (per-label sets) or `bayescli predict`",
+}
+
+
 def prepare_prediction(
     posterior: Path,
     checkpoint: Path | None,
@@ -339,7 +346,7 @@ def prepare_prediction(
     post = load_posterior(posterior, dev)
     model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code)
     if softmax_only is not None:
-        model.require_categorical(softmax_only)
+        model.require_categorical(softmax_only, SOFTMAX_ONLY_REASONS.get(softmax_only))
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
     check_labels(test, model.classifier.num_classes, post.likelihood)
     feats = extract_features(model, test, batch_size, dev, whole_network=post.needs_inputs)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from bayescli._version import __version__
 from bayescli.cli import common as c
+
+if TYPE_CHECKING:  # annotations only: the CLI builds its help without loading torch
+    from bayescli.data import Data
+    from bayescli.features import Features
+    from bayescli.models import LoadedModel
+    from bayescli.posterior.base import Posterior
 
 
 def conformal_cmd(
@@ -54,7 +60,9 @@ def conformal_cmd(
     """Split conformal prediction sets that hold the label with probability 1 - ALPHA.
 
     Any method's probabilities (map, temp, Laplace links); calibrated on labelled data disjoint
-    from --data; shown beside uncertainty-aware top-k at the same mean set size.
+    from --data; shown beside uncertainty-aware top-k at the same mean set size. A multi-label
+    (bernoulli) posterior gets per-label sets of values {0, 1} (score lac), each label covered
+    with probability 1 - ALPHA.
 
     Example: bayescli conformal --posterior posterior.safetensors --data digits:test
     --calibration-data digits:val --method glm-probit --score aps-random --alpha 0.1 --out sets.json
@@ -77,15 +85,26 @@ def conformal_cmd(
     ccfg = ConformalConfig(score_kind, alpha, raps_lambda, raps_kreg)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
-        model=model_spec, trust_model_code=trust_model_code, softmax_only="conformal",
+        model=model_spec, trust_model_code=trust_model_code,
     )  # fmt: skip
+    multilabel = post.likelihood == "bernoulli"
+    if multilabel and score_kind is not ConformalScore.LAC:
+        raise BayescliError(
+            f"score '{score}' ranks classes of one label; multi-label (bernoulli) posteriors take score lac "
+            "(per-label sets)"
+        )
     cal_spec = calibration_data or validation_spec(data)
     if cal_spec == test.spec:
         raise BayescliError(f"--calibration-data {cal_spec} is the test data; use a disjoint split")
     cal = c.data_options(data_root=data_root, download=download, seed=seed).load(cal_spec, model.preprocess)
-    c.check_labels(cal, model.classifier.num_classes)
+    c.check_labels(cal, model.classifier.num_classes, post.likelihood)
     dev = c.resolve_device(device)
     cal_feats = extract_features(model, cal, batch_size, dev)
+    if multilabel:
+        _multilabel(
+            post, model, method, test, feats, cal, cal_feats, alpha, samples, seed, out, quiet, as_json
+        )
+        return
     if not c.low_accuracy(feats.logits, feats.labels):  # else the test data's warning said it
         c.warn_low_accuracy(cal_feats.logits, cal_feats.labels, f"the calibration data {cal.spec}")
     cfg = EvalConfig(methods=[], samples=samples, seed=seed, batch_size=batch_size, data_root=data_root,
@@ -136,3 +155,58 @@ def conformal_cmd(
         hist,
         payload=report,
     )
+
+
+def _multilabel(
+    post: Posterior,
+    model: LoadedModel,
+    method: str,
+    test: Data,
+    feats: Features,
+    cal: Data,
+    cal_feats: Features,
+    alpha: float,
+    samples: int,
+    seed: int,
+    out: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Per-label sets of a multi-label posterior: summary table, per-label coverage, ``--out`` JSON
+    with every input's set of values per label."""
+    from bayescli.evaluation.multilabel import standalone_conformal
+    from bayescli.io import write_json
+
+    names = model.class_names
+    result, sets = standalone_conformal(
+        post, model.classifier, names, method, test, feats, cal, cal_feats, alpha, samples, seed
+    )
+    report = {
+        "schema_version": 1,
+        "kind": "conformal",
+        "bayescli_version": __version__,
+        "posterior_summary": c.posterior_summary(post),
+        "data": test.info,
+        **result,
+    }
+    if out is not None:
+        labels = feats.labels.tolist() if feats.labels is not None else None
+        members = sets.cpu().tolist()  # [N][K][2] booleans
+        per_input = [
+            {
+                "index": i,
+                "sets": {name: [v for v in (0, 1) if cell[v]] for name, cell in zip(names, row, strict=True)},
+                **({"label": labels[i]} if labels is not None else {}),
+            }
+            for i, row in enumerate(members)
+        ]
+        write_json(out, {**report, "sets": per_input})
+    summary = result["summary"]
+    per_label = summary["per_label"]
+    rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
+    columns = [k for k in ("threshold", "coverage", "mean_size", "singleton", "empty") if k in per_label]
+    labels_table = c.table(
+        "per label", ["label", *columns], [[n, *(per_label[k][n] for k in columns)] for n in names]
+    )
+    title = f"per-label split conformal: {result['method']}, lac, alpha = {alpha}"
+    c.show(quiet, as_json, c.table(title, ["", "value"], rows), labels_table, payload=report)

@@ -8,7 +8,13 @@ from typing import Annotated
 import typer
 
 from bayescli.cli import common as c
-from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode
+from bayescli.options import (
+    DEFAULT_METHODS,
+    DEFAULT_OOD_SCORES,
+    MULTILABEL_METHODS,
+    MULTILABEL_OOD_SCORES,
+    GGPMode,
+)
 
 
 def evaluate_cmd(
@@ -23,12 +29,13 @@ def evaluate_cmd(
     out: Annotated[Path | None, typer.Option(help="Report JSON to write.")] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report.")] = None,
     methods: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="map, temp (temperature-scaled MAP) and/or PREDICTIVE-LINK (glm-bridge-norm / "
-            "glm-bridge-none pick a bridge correction), comma-separated."
+            f"glm-bridge-none pick a bridge correction), comma-separated [default: {DEFAULT_METHODS}; "
+            f"multi-label posteriors: {MULTILABEL_METHODS}, links none, probit, mc, beta]."
         ),
-    ] = DEFAULT_METHODS,
+    ] = None,
     ood: Annotated[
         list[str] | None,
         typer.Option(help="OOD set (repeatable): noise:uniform, noise:gaussian, patches or a data spec."),
@@ -37,12 +44,15 @@ def evaluate_cmd(
         int | None, typer.Option(min=1, help="Inputs per OOD set (default: as many as the test set).")
     ] = None,
     ood_scores: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="OOD scores, comma-separated: msp, entropy, alpha0, mi, maxlogit, energy, mahalanobis, "
-            "rel-mahalanobis, knn, vim, react, odin (needs input gradients)."
+            "rel-mahalanobis, knn, vim, react, odin (needs input gradients) "
+            f"[default: {DEFAULT_OOD_SCORES}]; "
+            "multi-label posteriors: max-sigmoid, total-entropy, joint-energy, mi-sum, mi-max, knn "
+            f"[default: {MULTILABEL_OOD_SCORES}]."
         ),
-    ] = DEFAULT_OOD_SCORES,
+    ] = None,
     fit_data: Annotated[
         str | None,
         typer.Option(
@@ -110,8 +120,9 @@ def evaluate_cmd(
     --html report.html --fail-if "ood.patches.glm-probit.max_prob.auroc < 0.8"
     """
     from bayescli.evaluation.evaluate import check_gate_paths, evaluate, evaluation_config
+    from bayescli.evaluation.multilabel import for_likelihood, likelihood_of
     from bayescli.evaluation.runner import load_ggp_data, preprocess_key
-    from bayescli.io import write_json
+    from bayescli.io import peek_metadata, write_json
     from bayescli.metrics import low_accuracy_warning
     from bayescli.options import Predictive
     from bayescli.posterior.base import load_posterior
@@ -144,9 +155,14 @@ def evaluate_cmd(
         "seed": seed,
     }
     cfg = evaluation_config(**options, device=c.resolve_device(device, sharded=True))
-    # gates and options are checked before any posterior, model or data is loaded
-    check_gate_paths(fail_if or [], cfg, c.file_tags(posterior, ["posterior"] * len(posterior)))
+    # gates and options are checked before any posterior, model or data is loaded; the files'
+    # headers say which report (softmax or multi-label) the gates will read
+    kinds = {str(peek_metadata(p).get("likelihood", "categorical")) for p in posterior}
+    if len(kinds) == 1:
+        cfg = for_likelihood(cfg, kinds.pop())
+        check_gate_paths(fail_if or [], cfg, c.file_tags(posterior, ["posterior"] * len(posterior)))
     posts = c.tagged_posteriors([load_posterior(p, cfg.device) for p in posterior], posterior)
+    likelihood_of(posts)  # softmax and multi-label posteriors mixed: refused before models and data load
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict] = {}
     for tag, post in posts.items():
@@ -179,36 +195,40 @@ def evaluate_cmd(
     if html_out is not None and c.is_main_process():
         write_report(report, html_path=html_out)
     res = report["results"]
-    notes = _footnotes(report)
+    multilabel = report.get("likelihood") == "bernoulli"
+    # the headline metric of each method on a shifted set: accuracy, or mAP for multi-label
+    headline = "map" if multilabel else "accuracy"
+    shown = MULTILABEL_TABLE if multilabel else SOFTMAX_TABLE
     tables = [
         c.metrics_table(
             f"in-distribution: {test.spec}",
-            {
-                m: {
-                    k: v[k]
-                    for k in (
-                        "accuracy",
-                        "nll",
-                        "ece",
-                        "adaptive_ece",
-                        "classwise_ece",
-                        "brier",
-                        "mmc",
-                        "aurc",
-                    )
-                }
-                for m, v in res["in_distribution"].items()
-            },
+            {m: {k: v[k] for k in shown} for m, v in res["in_distribution"].items()},
         ),
-        *notes,
+        *_footnotes(report),
     ]
     if "ood" in res:
         for name, per in res["ood"].items():
             # a null cell: a detector that could not be fitted (a warning says why)
             scores = list(dict.fromkeys(s for r in per.values() for s in r if s != "mmc"))
-            rows = [[m, *((r.get(s) or {}).get("auroc") for s in scores), r["mmc"]] for m, r in per.items()]
-            tables.append(c.table(f"OOD {name}: AUROC by score", ["method", *scores, "MMC"], rows))
-    if "conformal" in res:
+            mean = "mean_max_sigmoid" if multilabel else "mmc"
+            scores = [s for s in scores if s != mean]
+            rows = [[m, *((r.get(s) or {}).get("auroc") for s in scores), r[mean]] for m, r in per.items()]
+            label = "mean max sigmoid" if multilabel else "MMC"
+            tables.append(c.table(f"OOD {name}: AUROC by score", ["method", *scores, label], rows))
+    if "conformal" in res and multilabel:
+        rows = [
+            [m, r["coverage"], r["min_label_coverage"], r["mean_size"], r["singleton"], r["empty"]]
+            for m, per in res["conformal"].items()
+            for r in per.values()
+        ]
+        tables.append(
+            c.table(
+                f"per-label conformal sets (lac), alpha = {conformal}",
+                ["method", "mean coverage", "min label coverage", "mean size", "singleton", "empty"],
+                rows,
+            )
+        )
+    elif "conformal" in res:
         rows = [
             [
                 m,
@@ -243,14 +263,14 @@ def evaluate_cmd(
     for suite in ("rotation", "fgsm"):
         if suite in res:
             keys = list(res[suite])
-            rows = [[m, *(res[suite][k][m]["accuracy"] for k in keys)] for m in res["in_distribution"]]
-            tables.append(c.table(f"{suite}: accuracy", ["method", *keys], rows))
+            rows = [[m, *(res[suite][k][m][headline] for k in keys)] for m in res["in_distribution"]]
+            tables.append(c.table(f"{suite}: {headline}", ["method", *keys], rows))
     if "corruption" in res:
         rows = []
         for m in res["in_distribution"]:
-            per = [s[m]["accuracy"] for sev in res["corruption"].values() for s in sev.values()]
+            per = [s[m][headline] for sev in res["corruption"].values() for s in sev.values()]
             rows.append([m, sum(per) / len(per)])
-        tables.append(c.table("corruption: mean accuracy", ["method", "accuracy"], rows))
+        tables.append(c.table(f"corruption: mean {headline}", ["method", headline], rows))
     tables.append(c.table("timings (s)", ["", "seconds"], [[k, v] for k, v in report["timings"].items()]))
     for g in outcomes:
         tables.append(
@@ -268,6 +288,10 @@ def evaluate_cmd(
         )
         return 1
     return 0
+
+
+SOFTMAX_TABLE = ("accuracy", "nll", "ece", "adaptive_ece", "classwise_ece", "brier", "mmc", "aurc")
+MULTILABEL_TABLE = ("map", "micro_f1", "macro_f1", "hamming_loss", "subset_accuracy", "nll", "ece", "brier")
 
 
 def _footnotes(report: dict) -> list[str]:

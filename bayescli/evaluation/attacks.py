@@ -2,6 +2,8 @@
 
 ``x' = clip(x + ε · sign(∇ₓ CE(f(x), y)), 0, 1)`` with ``f`` the classifier *including* its
 input normalisation, so ``ε`` is measured in [0, 1] pixel units (``8/255`` = 8 grey levels).
+A multi-label (``bernoulli``) classifier is attacked on its training loss, the binary
+cross-entropy summed over labels ``Σ_k BCE(f_k(x), y_k)``.
 """
 
 from __future__ import annotations
@@ -29,13 +31,25 @@ def parse_epsilons(text: str) -> list[tuple[str, float]]:
 
 
 def fgsm(
-    classifier: Classifier, x: torch.Tensor, y: torch.Tensor, eps: float, batch_size: int = 256
+    classifier: Classifier,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    eps: float,
+    batch_size: int = 256,
+    likelihood: str = "categorical",
 ) -> torch.Tensor:
-    """Adversarial inputs ``[N, ...]`` for labels ``y [N]`` (white-box on the MAP network)."""
+    """Adversarial inputs ``[N, ...]`` for labels ``y [N]`` (``[N, K]`` of 0/1 for a ``bernoulli``
+    classifier), white-box on the MAP network."""
     if eps == 0:
         return x.clone()
     classifier.eval()
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    if likelihood == "bernoulli":
+        bce = nn.BCEWithLogitsLoss(reduction="sum")
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return bce(logits, labels.to(logits.dtype))
+    else:
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
     out = []
     for start in range(0, len(x), batch_size):
         with torch.enable_grad():  # callers may be inside no_grad

@@ -190,7 +190,7 @@ class Baselines:
             data = spec
         else:
             data = load_data(spec, cfg.data_root, cfg.download, limit, seed, preprocess=self.model.preprocess)
-        data.check_labels(self.model.classifier.num_classes)
+        data.check_labels(self.model.classifier.num_classes, cfg.likelihood)
         feats = extract_features(self.model, data, cfg.batch_size, cfg.device, cache)
         self.timings[key] = feats.seconds
         return data, feats

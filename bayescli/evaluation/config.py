@@ -27,6 +27,12 @@ SCORES = {
     "vim": "vim",
     "react": "react",
     "odin": "odin",
+    # multi-label (bernoulli) classifiers: bayescli.metrics_multilabel.ood_scores
+    "max-sigmoid": "max_sigmoid",
+    "total-entropy": "neg_total_entropy",
+    "joint-energy": "joint_energy",
+    "mi-sum": "neg_mi_sum",
+    "mi-max": "neg_mi_max",
 }
 
 
@@ -44,6 +50,7 @@ class BaselineConfig:
     """Options of the baselines (recorded in the report's protocol)."""
 
     ood_scores: list[str] = field(default_factory=lambda: parse_ood_scores(DEFAULT_OOD_SCORES))
+    default_scores: bool = False  # not chosen by the user: the likelihood's own default applies
     fit_data: str | Data | None = None  # a spec, or data already loaded (the Python API's loaders)
     val_data: str | Data | None = None
     fit_cache: Path | None = None
@@ -67,6 +74,8 @@ class EvalConfig:
     """
 
     methods: list[Method]
+    default_methods: bool = False  # not chosen by the user: the likelihood's own default applies
+    likelihood: str = "categorical"  # the posteriors' (bernoulli: multi-label, a sigmoid per class)
     ood: list[str] = field(default_factory=list)
     ood_limit: int | None = None
     rotations: list[float] = field(default_factory=list)
@@ -86,3 +95,12 @@ class EvalConfig:
     num_workers: int = 0
     skip_unreadable: bool = False
     baselines: BaselineConfig = field(default_factory=BaselineConfig)
+
+
+def fidelity_runs(cfg: EvalConfig) -> bool:
+    """Whether the link-fidelity check runs: softmax posteriors with a predictive method."""
+    return (
+        cfg.likelihood != "bernoulli"
+        and bool(cfg.baselines.fidelity_inputs)
+        and any(m.predictive is not None for m in cfg.methods)
+    )

@@ -21,9 +21,10 @@ from bayescli.data.shifts import parse_angles
 from bayescli.devices import resolve_device
 from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import parse_epsilons
-from bayescli.evaluation.config import BaselineConfig, EvalConfig, parse_ood_scores
+from bayescli.evaluation.config import BaselineConfig, EvalConfig, fidelity_runs, parse_ood_scores
 from bayescli.evaluation.gates import Gate, check_gates, check_paths, expected_results, parse_gate
 from bayescli.evaluation.methods import expand_methods, parse_methods
+from bayescli.evaluation.multilabel import for_likelihood, likelihood_of
 from bayescli.evaluation.runner import ood_name, preprocess_key, run_grouped
 from bayescli.models import LoadedModel
 from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode, Predictive
@@ -34,10 +35,10 @@ T = TypeVar("T")
 
 def evaluation_config(
     *,
-    methods: str | Sequence[str] = DEFAULT_METHODS,
+    methods: str | Sequence[str] | None = None,
     ood: Sequence[str | Data] = (),
     ood_limit: int | None = None,
-    ood_scores: str | Sequence[str] = DEFAULT_OOD_SCORES,
+    ood_scores: str | Sequence[str] | None = None,
     fit_data: str | Data | None = None,
     fit_cache: Path | None = None,
     val_data: str | Data | None = None,
@@ -63,11 +64,18 @@ def evaluation_config(
 
     Text options take the CLI's syntax (``"map,glm-probit"``, ``"0:180:15"``, ``"1-5"``,
     ``"0,2/255"``); sequences give the same items one by one. Invalid values raise here, before
-    anything is loaded or run.
+    anything is loaded or run. ``methods`` and ``ood_scores`` left ``None`` are the defaults of
+    the posteriors' likelihood (softmax: ``DEFAULT_METHODS``, ``DEFAULT_OOD_SCORES``;
+    multi-label: :data:`~bayescli.evaluation.multilabel.MULTILABEL_METHODS` and
+    :data:`~bayescli.evaluation.multilabel.MULTILABEL_OOD_SCORES`), see :func:`for_likelihood`.
     """
-    scores = ood_scores if isinstance(ood_scores, str) else ",".join(ood_scores)
+    chosen = methods is not None
+    methods = methods if chosen else DEFAULT_METHODS
+    scores = DEFAULT_OOD_SCORES if ood_scores is None else ood_scores
+    scores = scores if isinstance(scores, str) else ",".join(scores)
     return EvalConfig(
         methods=parse_methods(methods if isinstance(methods, str) else ",".join(methods)),
+        default_methods=not chosen,
         ood=list(ood),
         ood_limit=ood_limit,
         rotations=_parsed(rotation, parse_angles),
@@ -87,6 +95,7 @@ def evaluation_config(
         skip_unreadable=skip_unreadable,
         baselines=BaselineConfig(
             ood_scores=parse_ood_scores(scores),
+            default_scores=ood_scores is None,
             fit_data=fit_data,
             val_data=val_data,
             fit_cache=fit_cache,
@@ -112,8 +121,8 @@ def _device(device: str | torch.device) -> torch.device:
 
 def check_gate_paths(fail_if: Sequence[str], cfg: EvalConfig, tags: Sequence[str]) -> list[Gate]:
     """Parse the gates ``"PATH OP NUMBER"`` and check that each path names a number the report
-    for ``cfg`` will hold (posteriors tagged ``tags``); raises on a malformed gate or an
-    unknown path, before any work."""
+    for ``cfg`` (resolved for the posteriors' likelihood by :func:`for_likelihood`) will hold
+    (posteriors tagged ``tags``); raises on a malformed gate or an unknown path, before any work."""
     gates = [parse_gate(g) for g in fail_if]
     if gates:
         methods = [m.name for m in expand_methods(cfg.methods, list(tags))]
@@ -125,8 +134,8 @@ def check_gate_paths(fail_if: Sequence[str], cfg: EvalConfig, tags: Sequence[str
             corruptions={n: [str(s) for s in cfg.severities] for n in cfg.corruptions},
             epsilons=[label for label, _ in cfg.epsilons],
             conformal=cfg.baselines.conformal is not None,
-            fidelity=bool(cfg.baselines.fidelity_inputs)
-            and any(m.predictive is not None for m in cfg.methods),
+            fidelity=fidelity_runs(cfg),
+            likelihood=cfg.likelihood,
         )
         check_paths(gates, expected)
     return gates
@@ -169,9 +178,9 @@ def evaluate(
     fgsm: str | Sequence[str | float] | None = None,
     fail_if: Sequence[str] = (),
     ggp_data: Data | Mapping[str, Data] | None = None,
-    methods: str | Sequence[str] = DEFAULT_METHODS,
+    methods: str | Sequence[str] | None = None,
     ood_limit: int | None = None,
-    ood_scores: str | Sequence[str] = DEFAULT_OOD_SCORES,
+    ood_scores: str | Sequence[str] | None = None,
     fit_data: str | Data | None = None,
     fit_cache: Path | None = None,
     val_data: str | Data | None = None,
@@ -208,7 +217,10 @@ def evaluate(
     (a mapping tag → ``Data``, or one set for all; default: a seeded subset of ``ggp_points``
     inputs of each posterior's recorded fitting data). ``fail_if`` gates ``"PATH OP NUMBER"``
     are checked before any work and recorded under ``report["gates"]`` (a gate whose condition
-    holds has ``failed: true``). The other options are those of ``bayescli evaluate``.
+    holds has ``failed: true``). ``methods`` and ``ood_scores`` default to those of the
+    posteriors' likelihood; multi-label (bernoulli) posteriors get the multi-label report
+    (:mod:`bayescli.evaluation.multilabel`); posteriors of both kinds in one call are refused. The
+    other options are those of ``bayescli evaluate``.
     """
     cfg = evaluation_config(
         methods=methods,
@@ -239,6 +251,7 @@ def evaluate(
     posts = dict(posteriors) if isinstance(posteriors, Mapping) else posterior_tags(list(posteriors))
     if not posts:
         raise BayescliError("evaluation needs at least one posterior (`posteriors`)")
+    cfg = for_likelihood(cfg, likelihood_of(posts))
     gates = check_gate_paths(fail_if, cfg, list(posts))
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict[str, Posterior]] = {}
@@ -254,8 +267,12 @@ def evaluate(
         test = _for_tag(data, first, "data", several)
         if test is None:
             raise BayescliError(f"no test data for posterior {first}; give it in `data`")
-        loaded.require_categorical("evaluate")
-        test.check_labels(loaded.classifier.num_classes)
+        if loaded.likelihood != cfg.likelihood:
+            raise BayescliError(
+                f"posterior {first} is for a {cfg.likelihood} classifier but {loaded.checkpoint} is "
+                f"{loaded.likelihood}; evaluate a posterior with the checkpoint it was fitted on"
+            )
+        test.check_labels(loaded.classifier.num_classes, cfg.likelihood)
         groups.append((members, loaded, test))
     if ggp_data is not None and any(m.predictive is Predictive.GGP for m in cfg.methods):
         given = {tag: _for_tag(ggp_data, tag, "ggp_data", False) for tag in posts}
@@ -282,5 +299,3 @@ def _for_tag(value: T | Mapping[str, T] | None, tag: str, name: str, several: bo
             "tag → one prepared for each posterior's recipe"
         )
     return value
-
-

@@ -110,6 +110,25 @@ DETECTION = ("auroc", "aupr_in", "aupr_out", "fpr95")
 _MAP_ONLY = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react", "odin")
 _LOGITS = ("max_logit", "energy")
 _POSTERIOR_ONLY = ("alpha0", "neg_mutual_information")
+# multi-label (bernoulli) reports: bayescli.evaluation.multilabel
+MULTILABEL_SUMMARY = (
+    "map",
+    "micro_f1",
+    "macro_f1",
+    "hamming_loss",
+    "subset_accuracy",
+    "nll",
+    "brier",
+    "ece",
+    "mean_entropy",
+)
+MULTILABEL_IN_DISTRIBUTION = (
+    *MULTILABEL_SUMMARY,
+    *(f"{m}_at_{c}" for m in ("subset_accuracy", "hamming_loss") for c in (50, 80, 90)),
+    "aurc_hamming",
+    "aurc_subset",
+)
+_WITH_MI = ("neg_mi_sum", "neg_mi_max")  # the links with a per-label mutual information
 
 
 def _leaves(keys: tuple[str, ...]) -> dict:
@@ -125,36 +144,49 @@ def expected_results(
     epsilons: list[str] = (),
     conformal: bool = False,
     fidelity: bool = False,
+    likelihood: str = "categorical",
 ) -> dict:
     """The skeleton of ``results`` for these options (method names as in the report; set keys
     as the runner writes them: ``cifar10:test`` → ``cifar10``, angles ``f"{a:g}"``, severities
-    as strings)."""
+    as strings). A ``bernoulli`` (multi-label) report has the multi-label metrics, its
+    ``per_label`` blocks keyed by class name."""
+    multilabel = likelihood == "bernoulli"
 
     def per_method(leaves: tuple[str, ...]) -> dict:
+        if multilabel:
+            return {m: {**_leaves(leaves), "per_label": ANY} for m in methods}
         return {m: _leaves(leaves) for m in methods}
 
     def base(method: str) -> str:
         return method.rsplit("/", 1)[-1]
 
-    tree: dict = {"in_distribution": per_method(IN_DISTRIBUTION)}
+    def applies(score: str, m: str) -> bool:
+        if multilabel:
+            return not (score in _MAP_ONLY and base(m) != "map") and not (
+                score in _WITH_MI and not base(m).endswith(("-mc", "-beta"))
+            )
+        return (
+            not (score in _MAP_ONLY and base(m) != "map")
+            and not (score in _LOGITS and base(m) not in ("map", "temp"))
+            and not (score in _POSTERIOR_ONLY and base(m) in ("map", "temp"))
+        )
+
+    summary = MULTILABEL_SUMMARY if multilabel else SUMMARY
+    tree: dict = {
+        "in_distribution": per_method(MULTILABEL_IN_DISTRIBUTION if multilabel else IN_DISTRIBUTION)
+    }
     if ood:
-        cells = {}
-        for m in methods:
-            scores = [
-                s
-                for s in ood_scores
-                if not (s in _MAP_ONLY and base(m) != "map")
-                and not (s in _LOGITS and base(m) not in ("map", "temp"))
-                and not (s in _POSTERIOR_ONLY and base(m) in ("map", "temp"))
-            ]
-            cells[m] = {"mmc": None, **{s: _leaves(DETECTION) for s in scores}}
+        mean = "mean_max_sigmoid" if multilabel else "mmc"
+        cells = {
+            m: {mean: None, **{s: _leaves(DETECTION) for s in ood_scores if applies(s, m)}} for m in methods
+        }
         tree["ood"] = {(k[:-5] if k.endswith(":test") else k): cells for k in ood}
     if rotations:
-        tree["rotation"] = {a: per_method(SUMMARY) for a in rotations}
+        tree["rotation"] = {a: per_method(summary) for a in rotations}
     if corruptions:
-        tree["corruption"] = {n: {s: per_method(SUMMARY) for s in sevs} for n, sevs in corruptions.items()}
+        tree["corruption"] = {n: {s: per_method(summary) for s in sevs} for n, sevs in corruptions.items()}
     if epsilons:
-        tree["fgsm"] = {e: per_method(SUMMARY) for e in epsilons}
+        tree["fgsm"] = {e: per_method(summary) for e in epsilons}
     if conformal:
         tree["conformal"] = {m: ANY for m in methods}
     if fidelity:

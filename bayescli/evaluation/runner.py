@@ -22,6 +22,7 @@ from bayescli.data import Data, load_data
 from bayescli.data.corruptions import APPROXIMATIONS, OfficialSource, corrupt, parameter_set
 from bayescli.data.shifts import SYNTHETIC_OOD, rotate, synthetic_ood
 from bayescli.errors import BayescliError
+from bayescli.evaluation import multilabel as ml
 from bayescli.evaluation.attacks import fgsm
 from bayescli.evaluation.baselines import (
     Baselines,
@@ -30,7 +31,7 @@ from bayescli.evaluation.baselines import (
     fidelity_suite,
     overlaps,
 )
-from bayescli.evaluation.config import EvalConfig
+from bayescli.evaluation.config import EvalConfig, fidelity_runs
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
 from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import (
@@ -72,6 +73,7 @@ class Evaluator:
         test: dict | None = None,
     ) -> None:
         self.posts, self.model, self.cfg = posteriors, model, cfg
+        self.bernoulli = cfg.likelihood == "bernoulli"  # multi-label: a sigmoid per class
         self.prefix = len(posteriors) > 1 if prefix is None else prefix
         self.methods = expand_methods(cfg.methods, list(posteriors), self.prefix)
         self.timings: dict[str, float] = {"forward": 0.0, "attack": 0.0}
@@ -112,17 +114,22 @@ class Evaluator:
             self.timings["forward"] += feats.seconds - (self.timings["attack"] - attack_before)
             for m in self.methods:
                 post = self.posts[m.posterior] if m.posterior else None
-                out = run_method(
-                    m,
-                    post,
-                    feats,
-                    self.model.classifier,
-                    local,
-                    self.cfg.samples,
-                    self.cfg.seed,
-                    self.ggp.get(m.posterior),
-                    self.temperature,
-                )
+                if self.bernoulli:
+                    out = ml.run_multilabel_method(
+                        m, post, feats, self.model.classifier, local, self.cfg.samples, self.cfg.seed
+                    )
+                else:
+                    out = run_method(
+                        m,
+                        post,
+                        feats,
+                        self.model.classifier,
+                        local,
+                        self.cfg.samples,
+                        self.cfg.seed,
+                        self.ggp.get(m.posterior),
+                        self.temperature,
+                    )
                 for key, sec in out.seconds.items():
                     self.timings[f"{m.name}.{key}"] = self.timings.get(f"{m.name}.{key}", 0.0) + sec
                 outs[m.name] = out
@@ -131,14 +138,20 @@ class Evaluator:
         if world.distributed:
             feats, outs = _gathered(feats, outs)
             data.add_unreadable(parallel.gather_objects(local.unreadable))
-        if self.map_accuracy is None and feats.labels is not None:
+        if self.map_accuracy is None and feats.labels is not None and not self.bernoulli:
             self.map_accuracy = accuracy(feats.logits, feats.labels)
         self.n_forward += len(data)
         self.last_features = feats
         return outs
 
     def summaries(self, data: Data) -> dict[str, dict]:
-        """Per-method accuracy, NLL, Brier, ECE, MMC, entropy on a shifted copy of the test set."""
+        """Per-method accuracy, NLL, Brier, ECE, MMC, entropy (multi-label: the metrics of
+        :func:`~bayescli.evaluation.multilabel.shift_summary`) on a shifted copy of the test set."""
+        if self.bernoulli:
+            return {
+                name: ml.shift_summary(o.probs, data.y, data.class_names)
+                for name, o in self.outputs(data).items()
+            }
         return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
 
 
@@ -215,12 +228,12 @@ def degenerate_posteriors(
 
 
 def _attack(
-    x: torch.Tensor, y: torch.Tensor, classifier: Classifier, eps: float, timings: dict
+    x: torch.Tensor, y: torch.Tensor, classifier: Classifier, eps: float, timings: dict, likelihood: str
 ) -> torch.Tensor:
     """FGSM on one batch, on the classifier's device (the attacked batch stays there)."""
     t0 = time.perf_counter()
     dev = next(classifier.parameters()).device
-    out = fgsm(classifier, x.to(dev), y.to(dev), eps, len(x))
+    out = fgsm(classifier, x.to(dev), y.to(dev), eps, len(x), likelihood)
     timings["attack"] += time.perf_counter() - t0
     return out
 
@@ -305,9 +318,13 @@ def run_evaluation(
     start = time.perf_counter()
     clean = ev.outputs(test, detect=bool(cfg.ood))
     clean_feats = ev.last_features
-    results: dict = {"in_distribution": _in_distribution(test, clean)}
+    if ev.bernoulli:
+        results: dict = {"in_distribution": ml.in_distribution(clean, test.y, test.class_names)}
+    else:
+        results = {"in_distribution": _in_distribution(test, clean)}
     protocol: dict = {
         **PROTOCOL,
+        **({"likelihood": "bernoulli", "multilabel": ml.protocol()} if ev.bernoulli else {}),
         "methods": [m.name for m in ev.methods],
         "mc_samples": cfg.samples,
         "selective_coverages": [0.5, 0.8, 0.9],
@@ -323,16 +340,23 @@ def run_evaluation(
         for tag, post in posteriors.items()
         if overlaps(post.meta.get("data"), test.info)
     ]
-    warnings += argmax_changes(results["in_distribution"], clean, clean_feats.logits)
-    warnings += degenerate_posteriors(ev.methods, clean, posteriors)
-    if cfg.baselines.fidelity_inputs and any(m.predictive is not None for m in ev.methods):
+    if not ev.bernoulli:  # a multi-label output has no argmax nor Dirichlet
+        warnings += argmax_changes(results["in_distribution"], clean, clean_feats.logits)
+        warnings += degenerate_posteriors(ev.methods, clean, posteriors)
+    if fidelity_runs(cfg):
         t0 = time.perf_counter()
         results["link_fidelity"], protocol["link_fidelity"], lines = fidelity_suite(
             posteriors, model, clean_feats, test, cfg, ev.prefix
         )
         warnings += lines
         ev.timings["link_fidelity"] = time.perf_counter() - t0
-    if cfg.baselines.conformal is not None:
+    if cfg.baselines.conformal is not None and ev.bernoulli:
+        t0 = time.perf_counter()
+        results["conformal"], protocol["conformal"] = ml.conformal_suite(
+            clean, test.y, test.class_names, cfg.baselines.conformal, cfg.seed
+        )
+        ev.timings["conformal"] = time.perf_counter() - t0
+    elif cfg.baselines.conformal is not None:
         t0 = time.perf_counter()
         results["conformal"], protocol["conformal"] = conformal_suite(
             clean, ev.methods, clean_feats, test, posteriors, model, cfg
@@ -346,9 +370,19 @@ def run_evaluation(
             "limit": cfg.ood_limit,
             **ev.baselines.ood_protocol(),
         }
+        if ev.bernoulli:
+            protocol["ood"]["applies"] = (
+                "max_sigmoid, neg_total_entropy, joint_energy: every method; neg_mi_sum, neg_mi_max: "
+                "links mc and beta; knn: map (the network's features)"
+            )
         results["ood"] = {}
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
             outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess), detect=True)
+            if ev.bernoulli:
+                results["ood"][ood_name(spec)] = {
+                    name: ml.ood_row(clean[name], o) for name, o in outs.items()
+                }
+                continue
             results["ood"][ood_name(spec)] = {
                 name: {
                     "mmc": float(o.probs.max(-1).values.double().mean()),
@@ -402,7 +436,7 @@ def run_evaluation(
         results["fgsm"] = {}
         clf = model.classifier
         for label, eps in track(cfg.epsilons, len(cfg.epsilons), "FGSM"):
-            attack = partial(_attack, classifier=clf, eps=eps, timings=ev.timings)
+            attack = partial(_attack, classifier=clf, eps=eps, timings=ev.timings, likelihood=cfg.likelihood)
             data = test.map_inputs(attack, labels=True, workers=False).subset(slice(None), fgsm_eps=eps)
             results["fgsm"][label] = ev.summaries(data)
 
@@ -414,6 +448,7 @@ def run_evaluation(
         "schema_version": SCHEMA_VERSION,
         "map_accuracy": ev.map_accuracy,
         "kind": "evaluation",
+        "likelihood": cfg.likelihood,
         "bayescli_version": __version__,
         "environment": {
             "python": platform.python_version(),
