@@ -92,8 +92,9 @@ def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") 
 
 
 def require_likelihood(method: str, loaded: LoadedModel) -> None:
-    """Raise unless ``method`` fits ``loaded``'s likelihood: Laplace fits softmax and multi-label
-    (bernoulli) classifiers, every other method softmax ones only."""
+    """Raise unless ``method`` fits ``loaded``'s likelihood (the registry entry's ``likelihoods``:
+    Laplace, MNVI and GLM VI fit softmax and multi-label (bernoulli) classifiers, every other
+    method softmax ones only)."""
     if loaded.likelihood not in method_entry(method).likelihoods:
         loaded.require_categorical(method)
 

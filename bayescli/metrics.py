@@ -47,6 +47,12 @@ def map_correct(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1) == y
 
 
+def map_probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
+    """MAP's probabilities ``[N, K]`` from ``logits [N, K]``: a softmax over the classes, or a
+    sigmoid per label for a ``bernoulli`` (multi-label) classifier."""
+    return logits.sigmoid() if likelihood == "bernoulli" else logits.softmax(-1)
+
+
 def nll(probs: torch.Tensor, y: torch.Tensor) -> float:
     """Mean negative log-likelihood of the labels."""
     p = probs.double().gather(1, y.to(probs.device).view(-1, 1)).clamp_min(1e-12)

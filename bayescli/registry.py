@@ -122,6 +122,7 @@ REGISTRY: dict[str, MethodEntry] = {
             "MNVIConfig",
             "MNVIPosterior",
             train=f"{_TRAINING}.mnvi:train",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
         ),
         _entry(
             "fsvi",
@@ -146,6 +147,7 @@ REGISTRY: dict[str, MethodEntry] = {
             "GLMVIConfig",
             "GLMVIPosterior",
             train=f"{_TRAINING}.glm_vi:train",
+            likelihoods=_SOFTMAX_AND_MULTILABEL,
         ),
         _entry(
             "ggp-vi",

@@ -234,9 +234,9 @@ def test_default_fit_with_validation_beats_map_per_label(multi_ckpt):
 def test_other_methods_still_refuse_bernoulli_models(multi_ckpt):
     loaded = ModelOptions("builtin:mlp", multi_ckpt).load()
     with pytest.raises(
-        BayescliError, match=r"is a multi-label classifier \(likelihood 'bernoulli'.* mnvi supports"
+        BayescliError, match=r"is a multi-label classifier \(likelihood 'bernoulli'.* fsvi supports"
     ):
-        api.fit(loaded, "composed-digits:train", "mnvi")
+        api.fit(loaded, "composed-digits:train", "fsvi")
 
 
 def test_cli_fit_laplace_and_predict_write_per_label_outputs(cli, multi_ckpt, tmp_path):

@@ -316,8 +316,8 @@ NOT_MULTILABEL = (
             NOT_MULTILABEL.format(spec="digits:val"),
         ),
         (
-            ["--likelihood", "bernoulli", "--method", "mnvi", "--data", "composed-digits:train"],
-            "--method mnvi trains categorical models only; use --method map",
+            ["--likelihood", "bernoulli", "--method", "fsvi", "--data", "composed-digits:train"],
+            "--method fsvi trains categorical models only; use --method map or mnvi",
         ),
         (["--likelihood", "poisson"], "choose one of categorical, bernoulli"),
     ],
@@ -330,7 +330,7 @@ def test_train_likelihood_mismatch_exits_2(cli, tmp_path, args, message):
 
 
 def test_posterior_commands_refuse_mismatched_models_and_data_naming_the_cause(cli, tmp_path):
-    """Only Laplace fits multi-label posteriors: a bernoulli checkpoint must fit multi-hot data, a
+    """Laplace, MNVI and GLM VI fit multi-label posteriors: a bernoulli checkpoint must fit multi-hot data, a
     softmax one single-label data, and the other commands refuse bernoulli models; each mismatch
     stops with exit 2 and a line naming it, never a softmax posterior computed on multi-hot labels."""
     multi, single = tmp_path / "multi.safetensors", tmp_path / "single.safetensors"
@@ -340,7 +340,7 @@ def test_posterior_commands_refuse_mismatched_models_and_data_naming_the_cause(c
     res = cli("fit-laplace", "--model", "builtin:mlp", "--checkpoint", multi, "--data", "digits:train",
               "--out", tmp_path / "p.safetensors")  # fmt: skip
     assert res.code == 2 and "but the model is multi-label (likelihood 'bernoulli'" in res.err
-    res = cli("fit-vi", "--method", "mnvi", "--model", "builtin:mlp", "--checkpoint", multi, "--data",
+    res = cli("fit-vi", "--method", "fsvi", "--model", "builtin:mlp", "--checkpoint", multi, "--data",
               "composed-digits:train", "--out", tmp_path / "p.safetensors")  # fmt: skip
     assert res.code == 2 and "is a multi-label classifier (likelihood 'bernoulli'" in res.err
     res = cli("fit-laplace", "--model", "builtin:mlp", "--checkpoint", single, "--data",

@@ -82,6 +82,19 @@ def _double(net: nn.Module) -> nn.Module:
     return copy.deepcopy(net).double()
 
 
+def expected_log_bernoulli(mean: torch.Tensor, cov: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``Σ_k E[y_k log σ(f_k) + (1 − y_k) log(1 − σ(f_k))]`` ``[N]`` for ``f ~ N(mean [N,K], cov [N,K,K])``
+    and multi-label ``y [N, K]``: independent labels, so only the variances matter; 200-node
+    Gauss–Hermite per label on ``log σ(±f)``."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(200)
+    z, w = torch.tensor(nodes), torch.tensor(weights / math.sqrt(2 * math.pi))
+    std = cov.diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()
+    f = mean[:, :, None] + std[:, :, None] * z  # [N, K, G]
+    yy = y.double()[:, :, None]
+    logp = yy * nn.functional.logsigmoid(f) + (1 - yy) * nn.functional.logsigmoid(-f)
+    return (logp @ w).sum(1)
+
+
 def glm_elbo(
     jac: torch.Tensor,
     offset: torch.Tensor,
@@ -89,11 +102,13 @@ def glm_elbo(
     delta: float,
     mu: torch.Tensor,
     chol: torch.Tensor,
+    expected=expected_log_softmax,
 ) -> torch.Tensor:
-    """The GLM ELBO of ``q = N(μ, LLᵀ)`` (``chol`` = L, lower triangular with positive diagonal)."""
+    """The GLM ELBO of ``q = N(μ, LLᵀ)`` (``chol`` = L, lower triangular with positive diagonal);
+    ``expected(mean, cov, y)`` is the likelihood's expected log-likelihood per input."""
     p = jac.shape[2]
     jl = jac @ chol
-    ell = expected_log_softmax(offset + jac @ mu, jl @ jl.transpose(1, 2), y).sum()
+    ell = expected(offset + jac @ mu, jl @ jl.transpose(1, 2), y).sum()
     kl = 0.5 * (
         delta * chol.square().sum()
         + delta * mu @ mu
@@ -105,11 +120,17 @@ def glm_elbo(
 
 
 def maximise_elbo(
-    jac: torch.Tensor, offset: torch.Tensor, y: torch.Tensor, delta: float, pattern: torch.Tensor
+    jac: torch.Tensor,
+    offset: torch.Tensor,
+    y: torch.Tensor,
+    delta: float,
+    pattern: torch.Tensor,
+    expected=expected_log_softmax,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``argmax`` of the GLM ELBO over ``N(μ, LLᵀ)`` with ``L`` lower triangular, zero outside the
     boolean ``pattern [P, P]`` (all lower: full; the diagonal: mean field; blocks: independent
-    groups). Logits ``offset [N,K] + jac [N,K,P] θ``, prior ``N(0, δ⁻¹ I)``. Returns ``μ, Σ, ELBO``.
+    groups). Logits ``offset [N,K] + jac [N,K,P] θ``, prior ``N(0, δ⁻¹ I)``, likelihood by
+    ``expected`` (softmax by default; :func:`expected_log_bernoulli`). Returns ``μ, Σ, ELBO``.
     """
     p = jac.shape[2]
     rows, cols = torch.nonzero(torch.tril(pattern), as_tuple=True)
@@ -122,7 +143,7 @@ def maximise_elbo(
 
     def negative(v_np: np.ndarray) -> tuple[float, np.ndarray]:
         v = torch.tensor(v_np, requires_grad=True)
-        out = -glm_elbo(jac, offset, y, delta, *unpack(v))
+        out = -glm_elbo(jac, offset, y, delta, *unpack(v), expected)
         out.backward()
         return out.item(), v.grad.numpy()
 

@@ -14,6 +14,8 @@ from bayescli.options import TrainConfig, VIMethod
 TRAIN_METHODS = ["map", *(m.value for m in VIMethod)]
 # kept in step with bayescli.training.classifier.LIKELIHOODS (not imported: torch loads lazily)
 LIKELIHOODS = ["categorical", "bernoulli"]
+# the trainers that fit multi-label (bernoulli) models; the others are softmax-only
+BERNOULLI_TRAIN_METHODS = ["map", "mnvi"]
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:
@@ -45,7 +47,7 @@ def train(
         str,
         typer.Option(
             help="categorical (softmax, one class per input) or bernoulli (a sigmoid per class, "
-            "multi-label data y [N, K]; --method map)."
+            "multi-label data y [N, K]; --method map or mnvi)."
         ),
     ] = "categorical",
     data: Annotated[str, typer.Option(help="Training data spec.")] = "digits:train",
@@ -85,9 +87,11 @@ def train(
         raise typer.BadParameter("--set applies to VI methods", param_hint="--set")
     if likelihood not in LIKELIHOODS:
         raise typer.BadParameter(f"choose one of {', '.join(LIKELIHOODS)}", param_hint="--likelihood")
-    if likelihood == "bernoulli" and method != "map":
+    if likelihood == "bernoulli" and method not in BERNOULLI_TRAIN_METHODS:
         raise typer.BadParameter(
-            f"--method {method} trains categorical models only; use --method map", param_hint="--likelihood"
+            f"--method {method} trains categorical models only; use --method "
+            f"{' or '.join(BERNOULLI_TRAIN_METHODS)}",
+            param_hint="--likelihood",
         )
     if posterior_out is not None and posterior_out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")

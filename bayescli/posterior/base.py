@@ -54,7 +54,7 @@ class Posterior(ABC):
     # Gaussian image): its predictive is the Dirichlet mean, the default link ``bridge``
     native_dirichlet: ClassVar[bool] = False
     # the likelihood of the classifier's outputs: ``categorical`` (softmax) or ``bernoulli`` (a
-    # sigmoid per class, multi-label); only Laplace posteriors fit bernoulli models so far
+    # sigmoid per class, multi-label); the registry's ``likelihoods`` say which methods fit which
     likelihood: str = "categorical"
     subset: Subset
     meta: dict

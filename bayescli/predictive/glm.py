@@ -25,6 +25,7 @@ from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
+from bayescli.metrics import map_probabilities
 from bayescli.models import Classifier
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
@@ -33,6 +34,8 @@ from bayescli.predictive import dirichlet
 from bayescli.predictive.ggp import GGPPredictor
 from bayescli.predictive.links import LinkOutput, apply_link
 from bayescli.predictive.sigmoid_links import SigmoidLink, SigmoidLinkOutput, apply_sigmoid_link
+
+__all__ = ["Prediction", "logit_gaussian", "map_probabilities", "predict", "sigmoid_link"]
 
 
 @dataclass
@@ -93,12 +96,6 @@ def _bnn_logits(
         # Same weight draws for every batch: re-seed per batch.
         parts.append(posterior.sample_logits(samples, classifier, x, None, devices.generator(dev, seed)))
     return torch.cat(parts, dim=1)
-
-
-def map_probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """MAP's probabilities ``[N, K]`` from ``logits [N, K]``: a softmax over the classes, or a
-    sigmoid per label for a ``bernoulli`` (multi-label) classifier."""
-    return logits.sigmoid() if likelihood == "bernoulli" else logits.softmax(-1)
 
 
 def sigmoid_link(link: Link, predictive: Predictive, fit_dirichlet: bool = False) -> SigmoidLink:

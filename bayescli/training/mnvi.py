@@ -5,6 +5,10 @@ means (the network's weights), biases, BatchNorm and ρ are trained on the objec
 :mod:`bayescli.posterior.vi.mnvi_objective` with the [002] LeNet/MNIST defaults of
 :class:`~bayescli.posterior.vi.mnvi.MNVIConfig`. Training several networks is costly, so κ/N and
 σ² are chosen on validation data only with ``select=True``.
+
+Multi-label data (labels ``[N, K]``) trains a sigmoid-per-label network (``likelihood
+"bernoulli"``, recorded in the checkpoint and the posterior): the objective's expected NLL is the
+Bernoulli one (:mod:`bayescli.posterior.vi.mnvi_objective`), validation scores are per label.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def train(
     device = torch.device(device)
     start = time.perf_counter()
     k = train.num_classes
+    # the labels say which: `bayescli train` checks them against --likelihood before training
+    likelihood = "bernoulli" if train.multilabel else "categorical"
     mean, std = channel_stats(train)
 
     def build(c: MNVIConfig) -> MNVIPosterior:
@@ -66,14 +72,16 @@ def train(
         net = build_network(spec, k, train.input_shape, {})
         clf = Classifier(net, last_linear_name(net), mean, std).to(device)
         prop = MomentPropagator(net)
-        rho, curve = fit_network_once(clf, prop, train, c, device, {}, list(net.parameters()), True)
+        rho, curve = fit_network_once(
+            clf, prop, train, c, device, {}, list(net.parameters()), True, likelihood
+        )
         means = {}
         for name in prop.layers:
             mod = prop.layer(name)
             means[f"{name}.weight"] = mod.weight.detach().cpu().clone()
             if mod.bias is not None:
                 means[f"{name}.bias"] = mod.bias.detach().cpu().clone()
-        post = MNVIPosterior(Subset.ALL, "mean-and-noise", rho, means, asdict(c))
+        post = MNVIPosterior(Subset.ALL, "mean-and-noise", rho, means, asdict(c), likelihood=likelihood)
         post.meta.update({"curve": curve, "n_data": len(train)})
         post._cache["clf"] = clf
         return post
@@ -97,7 +105,9 @@ def train(
     post.meta["fit_seconds"] = time.perf_counter() - start
     training = {"method": "mnvi", **post.config}
     loss = [c["objective"] for c in post.meta["curve"]]
-    meta = checkpoint_metadata(spec, clf, train, val, device, (mean, std), training, loss)
+    meta = checkpoint_metadata(
+        spec, clf, train, val, device, (mean, std), training, loss, likelihood=likelihood
+    )
     kept = ("curve", "fit_seconds", "val_nll", "selection")
     meta["mnvi"] = {k: post.meta[k] for k in kept if k in post.meta}
     return clf, meta, post

@@ -41,6 +41,14 @@ its predictive is the network's own (logit variances ``‖φ̃‖²·1e-30`` las
 all layers). Measured on the digits small CNN of tests/conftest.py (default settings): best
 validation NLL on the grid 0.0692 vs MAP's 0.0452, so the fit returns MAP (test NLL 0.0545, MAP's).
 
+Multi-label classifiers (``likelihood == "bernoulli"``, a sigmoid per label, labels ``[N, K]``;
+last layer): ``log p(y | f) = Σ_k [y_k log σ(f_k) + (1 − y_k) log(1 − σ(f_k))]``, so ``r = y − σ(f)``
+and ``Λ = diag(σ(f)(1 − σ(f)))``; their expectations under the logit marginals ``N(μ_k, v_k)`` are
+1-D integrals per label, by quadrature (:mod:`~bayescli.posterior.vi.bernoulli_expectations`,
+exact to ~1e-13), and the curvature is block-diagonal over labels. The Laplace start is the
+Bernoulli one (:mod:`bayescli.posterior.bernoulli_curvature`), the validation predictive
+``E[σ(f_k)]`` per label (the limit of the ``mc`` link) scored per label against MAP's sigmoids.
+
 The posterior is stored as ``curvature = Σ⁻¹ − δI`` in the Laplace containers
 (:class:`DiagGaussian` / :class:`FullGaussian`), so their GLM push-forwards give its logit
 Gaussian unchanged (exact: the GLM predictive of ``q`` *is* that Gaussian).
@@ -58,6 +66,7 @@ import torch
 
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
+from bayescli.metrics import map_probabilities
 from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
@@ -72,6 +81,7 @@ from bayescli.posterior.gaussian import (
 )
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
 from bayescli.posterior.selection import Criterion
+from bayescli.posterior.vi.bernoulli_expectations import LAGUERRE_NODES, expected_sigmoid
 from bayescli.posterior.vi.linearised_glm import GLMData, NGVIResult, linearised_data, natural_gradient_vi
 from bayescli.posterior.vi.network_weights import flat_parameters, network_logits
 from bayescli.posterior.vi.prior_precision import (
@@ -85,7 +95,7 @@ from bayescli.posterior.vi.prior_precision import (
     selects,
 )
 from bayescli.posterior.vi.setting_values import as_float
-from bayescli.posterior.vi.softmax_expectations import VAL_SAMPLES, expectation_label, mc_probs
+from bayescli.posterior.vi.softmax_expectations import GH_NODES, VAL_SAMPLES, expectation_label, mc_probs
 
 COVARIANCES = ("diag", "full")
 # δ of the point mass at θ* (curvature zero): weight variances 1e-30, finite so the file's JSON
@@ -187,13 +197,15 @@ class GLMVIConfig:
 
 @dataclass
 class GLMVIPosterior(Posterior):
-    """``q(θ) = N(μ, Σ)`` in the linearised network; ``gaussian`` holds ``μ``, ``Σ⁻¹ − δI`` and ``δ``."""
+    """``q(θ) = N(μ, Σ)`` in the linearised network; ``gaussian`` holds ``μ``, ``Σ⁻¹ − δI`` and ``δ``;
+    ``likelihood`` the classifier's (``categorical`` or ``bernoulli``; files without it: categorical)."""
 
     gaussian: WeightGaussian
     subset: Subset
     head_bias: bool
     n_data: int
     meta: dict = field(default_factory=dict)
+    likelihood: str = "categorical"
 
     method: ClassVar[str] = "glm-vi"
 
@@ -213,6 +225,7 @@ class GLMVIPosterior(Posterior):
         vi = self.meta.get("vi", {})
         return {
             "covariance": self.covariance,
+            "likelihood": self.likelihood,
             "prior_precision": self.prior_precision,
             "prior_method": self.meta.get("prior", {}).get("method"),
             "iterations": vi.get("epochs"),
@@ -268,6 +281,7 @@ class GLMVIPosterior(Posterior):
     def own_metadata(self) -> dict:
         return {
             "covariance": self.covariance,
+            "likelihood": self.likelihood,
             "head_bias": self.head_bias,
             "n_data": self.n_data,
             "prior_precision": self.prior_precision,
@@ -288,10 +302,11 @@ class GLMVIPosterior(Posterior):
             bool(meta["head_bias"]),
             int(meta["n_data"]),
             cls.provenance(meta, _OWN_KEYS),
+            str(meta.get("likelihood", "categorical")),
         )
 
 
-_OWN_KEYS = {"covariance", "head_bias", "n_data", "prior_precision", "predictive", "exact"}
+_OWN_KEYS = {"covariance", "likelihood", "head_bias", "n_data", "prior_precision", "predictive", "exact"}
 
 
 def _cast(lg: LogitGaussian, dtype: torch.dtype) -> LogitGaussian:
@@ -328,7 +343,8 @@ def _posterior(result: NGVIResult, delta: float, subset: Subset, data: GLMData) 
         gauss: WeightGaussian = DiagGaussian(result.mean, result.curvature.clamp_min(0), delta)
     else:
         gauss = FullGaussian(result.mean, result.curvature, delta)
-    return GLMVIPosterior(gauss, subset, data.bias if data.last_layer else False, len(data))
+    bias = data.bias if data.last_layer else False
+    return GLMVIPosterior(gauss, subset, bias, len(data), likelihood=data.likelihood)
 
 
 def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
@@ -340,6 +356,7 @@ def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
     classifier, batch_size = source.classifier, source.batch_size
     last = Subset(cfg.subset) is Subset.LAST_LAYER
     val_phi = feats.phi.cpu() if last else None
+    likelihood = source.model.likelihood
 
     def probs(post: GLMVIPosterior) -> torch.Tensor:
         if val_phi is not None:
@@ -348,10 +365,14 @@ def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
             lg = LogitGaussian.cat(
                 [post.logit_gaussian_inputs(classifier, x) for x, _ in source.val.batches(batch_size)]
             )
+        if likelihood == "bernoulli":
+            return expected_sigmoid(lg.mean, lg.var)
         return mc_probs(lg, cfg.seed)
 
-    objective = f"validation {cfg.select_by.value} (glm predictive, {VAL_SAMPLES} MC draws)"
-    return Validation(probs, source.val.y, objective, feats.logits.softmax(-1).cpu())
+    draws = "E[sigmoid] per label by quadrature" if likelihood == "bernoulli" else f"{VAL_SAMPLES} MC draws"
+    objective = f"validation {cfg.select_by.value} (glm predictive, {draws})"
+    map_probs = map_probabilities(feats.logits, likelihood).cpu()
+    return Validation(probs, source.val.y, objective, map_probs)
 
 
 def _prepare(source: FitSource, cfg: GLMVIConfig) -> _Problem:
@@ -363,16 +384,34 @@ def _prepare(source: FitSource, cfg: GLMVIConfig) -> _Problem:
         else sum(p.numel() for p in classifier.net.parameters())
     )
     check_full_size(num_params, cfg.covariance, subset)
+    likelihood = source.model.likelihood
+    if likelihood == "bernoulli" and subset is not Subset.LAST_LAYER:
+        # the Laplace start and the per-input Jacobians of the all-layer iteration are softmax-only
+        raise BayescliError(
+            "glm-vi fits multi-label (bernoulli) models on the last layer only; use subset 'last-layer'"
+        )
     # the backbone runs on the source's device; the iterations run on the host (features come back once)
     phi = source.features().phi.cpu() if subset is Subset.LAST_LAYER else None
     classifier.cpu().eval()
-    data = linearised_data(classifier, train, subset, source.batch_size, phi)
+    data = linearised_data(classifier, train, subset, source.batch_size, phi, likelihood)
     if subset is Subset.LAST_LAYER:
-        laplace = fit_laplace(classifier, phi=phi, labels=train.y, structure=cfg.covariance)
+        laplace = fit_laplace(
+            classifier, phi=phi, labels=train.y, structure=cfg.covariance, likelihood=likelihood
+        )
     else:
         batches = list(train.batches(source.batch_size))
         laplace = fit_laplace(classifier, batches=batches, subset=subset, structure=cfg.covariance)
     return _Problem(data, laplace)
+
+
+def _expectations(data: GLMData, samples: int) -> str:
+    """How the likelihood's expectations are computed (recorded under ``meta["vi"]``)."""
+    if data.likelihood == "bernoulli":
+        return (
+            f"exact: per label, {GH_NODES}-node Gauss-Hermite (logit std <= 1.5) or "
+            f"{LAGUERRE_NODES}-node Gauss-Laguerre on the sigmoid's smooth part"
+        )
+    return expectation_label(data.num_classes, samples)
 
 
 def _thin(values: list[float], keep: int = 50) -> list[list[float]]:
@@ -414,7 +453,7 @@ def fit_over_grid(
             "epochs": epochs,
             "lr": step,
             "minibatch": rows,
-            "expectations": expectation_label(data.num_classes, cfg.samples),
+            "expectations": _expectations(data, cfg.samples),
             "elbo_first": result.elbo[0],
             "elbo_last": result.elbo[-1],
             "elbo": _thin(result.elbo),
@@ -431,7 +470,7 @@ def fit_over_grid(
             point: WeightGaussian = DiagGaussian(mean0, torch.zeros_like(curv0), POINT_MASS_PRECISION)
         else:
             point = FullGaussian(mean0, torch.zeros_like(curv0), POINT_MASS_PRECISION)
-        post = GLMVIPosterior(point, subset, best.head_bias, best.n_data)
+        post = GLMVIPosterior(point, subset, best.head_bias, best.n_data, likelihood=best.likelihood)
         post.meta["vi"] = {
             "algorithm": "none: the point mass at θ* (no prior_precision beat MAP on validation)",
             "laplace_marglik_prior_precision": marglik,

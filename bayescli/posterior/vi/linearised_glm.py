@@ -7,7 +7,12 @@ and computes the sums of the updates; :func:`natural_gradient_vi` iterates
     Σ⁻¹ ← (1 − β) Σ⁻¹ + β (Σ_n J_nᵀ E[Λ_n] J_n + δ I)        (diag: the diagonal of the bracket)
     μ   ← μ + β Σ_new (Σ_n J_nᵀ E[r_n] − δ μ),
 
-with the expectations of :mod:`bayescli.posterior.vi.softmax_expectations`. With ``minibatch``
+with the expectations of the likelihood: softmax (:mod:`bayescli.posterior.vi.softmax_expectations`)
+or, for a multi-label head (``likelihood="bernoulli"``, labels ``[N, K]``, last layer), Bernoulli
+per label (:mod:`bayescli.posterior.vi.bernoulli_expectations`: ``E[σ(f_k)]`` and
+``E[σ(f_k)(1 − σ(f_k))]`` under ``N(μ_k, v_k)`` by quadrature). The Bernoulli ``Λ_n`` is diagonal,
+so ``Σ_n J_nᵀ E[Λ_n] J_n`` is block-diagonal over labels (block ``k`` = ``Σ_n E[λ_nk] φ̃_nφ̃_nᵀ``,
+as in :mod:`bayescli.posterior.bernoulli_curvature`), built without per-input Jacobians. With ``minibatch``
 rows per iteration (stochastic natural-gradient VI) both sums are taken over that many rows,
 drawn without replacement pass by pass, and scaled by ``N/B``: unbiased for the full sums, so the
 fixed point is the same, and the β-weighted averaging pools the draws over ~1/β iterations.
@@ -27,6 +32,7 @@ from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import augment
+from bayescli.posterior.vi.bernoulli_expectations import bernoulli_expectations
 from bayescli.posterior.vi.network_weights import flat_parameters
 from bayescli.posterior.vi.softmax_expectations import softmax_expectations
 from bayescli.progress import track
@@ -41,6 +47,7 @@ class GLMData:
 
     Last layer: ``phi [N, D]`` and ``bias`` (parameters ``W̃ [K, D(+1)]``, logits ``W̃ φ̃``).
     All layers: ``jac [N, K, P]`` and ``offset [N, K] = f(x; θ*) − J θ*`` (logits ``offset + J θ``).
+    ``likelihood``: ``categorical`` (``labels [N]``) or ``bernoulli`` (``labels [N, K]``, last layer).
     """
 
     labels: torch.Tensor
@@ -49,6 +56,7 @@ class GLMData:
     bias: bool = True
     jac: torch.Tensor | None = None
     offset: torch.Tensor | None = None
+    likelihood: str = "categorical"
     _chunk_key: tuple | None = field(default=None, repr=False)
     _chunk: tuple = field(default=(None, None), repr=False)
 
@@ -62,8 +70,20 @@ class GLMData:
     def rows(self, index: torch.Tensor) -> GLMData:
         """The rows ``index`` as their own :class:`GLMData` (a minibatch)."""
         if self.last_layer:
-            return GLMData(self.labels[index], self.num_classes, phi=self.phi[index], bias=self.bias)
-        return GLMData(self.labels[index], self.num_classes, jac=self.jac[index], offset=self.offset[index])
+            return GLMData(
+                self.labels[index],
+                self.num_classes,
+                phi=self.phi[index],
+                bias=self.bias,
+                likelihood=self.likelihood,
+            )
+        return GLMData(
+            self.labels[index],
+            self.num_classes,
+            jac=self.jac[index],
+            offset=self.offset[index],
+            likelihood=self.likelihood,
+        )
 
     def chunks(self, size: int) -> Iterator[slice]:
         for start in range(0, len(self), size):
@@ -112,11 +132,14 @@ class GLMData:
         return torch.einsum("nk,nkp->p", resid, self.jac[sl].double())
 
     def curvature(self, lam: torch.Tensor, sl: slice, diag: bool) -> torch.Tensor:
-        """``Σ_n J_nᵀ Λ_n J_n``: its diagonal (shaped like the mean) or ``[P, P]``."""
+        """``Σ_n J_nᵀ Λ_n J_n``: its diagonal (shaped like the mean) or ``[P, P]``; ``lam`` is
+        ``[B, K, K]``, or ``[B, K]`` for a diagonal ``Λ_n`` (Bernoulli; softmax with ``diag``)."""
         if self.last_layer:
             phi = self._phi(sl, lam.dtype)
             if diag:  # lam is the diagonal [B, K] here: the logit covariance is diagonal too
                 return (lam.T @ self._phi(sl, lam.dtype, square=True)).double()
+            if lam.dim() == 2:  # diagonal Λ_n: block k = Σ_n λ_nk φ̃_nφ̃_nᵀ, no coupling across labels
+                return torch.block_diag(*torch.einsum("nk,nd,ne->kde", lam, phi, phi)).double()
             k, d1 = lam.shape[1], phi.shape[1]
             blocks = (lam[:, :, :, None] * phi[:, None, None, :]).reshape(len(phi), -1).T @ phi
             return blocks.reshape(k, k, d1, d1).permute(0, 2, 1, 3).reshape(k * d1, k * d1)
@@ -191,7 +214,7 @@ def natural_gradient_vi(
     ``minibatch``: rows per iteration (module doc); ``None`` (or ≥ N) sums over every row.
 
     ``mean`` is ``[K, D(+1)]`` (last layer) or ``[P]``; ``curvature`` has the mean's shape (diag)
-    or is ``[P, P]`` (full). The ELBO (its Monte-Carlo estimate when ``K > 2``) is recorded at
+    or is ``[P, P]`` (full). The ELBO (its Monte-Carlo estimate when ``K > 2``, softmax) is recorded at
     every iterate; ``residuals`` hold the fixed-point conditions at the last expansion point:
     ``gradient`` = max |Σ Jᵀ E[r] − δμ| and ``curvature`` = max |E[Σ JᵀΛJ] − (Σ⁻¹ − δI)|, each
     relative to the largest entry of its reference (``δ|μ|`` and the curvature).
@@ -201,9 +224,12 @@ def natural_gradient_vi(
     state = _State.build(mean.double(), curvature.double(), float(delta))
     gen = torch.Generator().manual_seed(seed)
     diag_logits = diag and data.last_layer  # the logit covariance is diagonal: sample K scalars
+    bernoulli = data.likelihood == "bernoulli"
     # Last-layer diag with K > 2 works in float32 per chunk (GEMMs over ≤ batch_size inputs, Monte
-    # Carlo noise ≫ round-off) and sums in float64; K = 2 quadrature and full covariances stay float64.
-    work = torch.float32 if diag_logits and data.num_classes > 2 else torch.float64
+    # Carlo noise ≫ round-off) and sums in float64; quadrature (K = 2, Bernoulli) and full
+    # covariances stay float64.
+    mc = diag_logits and data.num_classes > 2 and not bernoulli
+    work = torch.float32 if mc else torch.float64
     elbo: list[float] = []
     residuals: dict = {}
     n = len(data)
@@ -223,9 +249,12 @@ def natural_gradient_vi(
         for sl in batch.chunks(batch_size):
             mean_b = batch.logit_mean(mean_w, sl)
             cov_b = batch.logit_cov(view, sl)
-            e_ll, resid, lam = softmax_expectations(
-                mean_b, cov_b, batch.labels[sl], samples, gen, diag_only=diag_logits
-            )
+            if bernoulli:
+                e_ll, resid, lam = bernoulli_expectations(mean_b, cov_b, batch.labels[sl])
+            else:
+                e_ll, resid, lam = softmax_expectations(
+                    mean_b, cov_b, batch.labels[sl], samples, gen, diag_only=diag_logits
+                )
             ell += float(e_ll.sum())
             grad += batch.gradient(resid, sl)
             curv += batch.curvature(lam, sl, diag)
@@ -247,12 +276,18 @@ def natural_gradient_vi(
 
 
 def linearised_data(
-    classifier: Classifier, train: Data, subset: Subset, batch_size: int, phi: torch.Tensor | None
+    classifier: Classifier,
+    train: Data,
+    subset: Subset,
+    batch_size: int,
+    phi: torch.Tensor | None,
+    likelihood: str = "categorical",
 ) -> GLMData:
-    """:class:`GLMData` for ``train``: features ``phi [N, D]`` (last layer) or per-input Jacobians (all)."""
+    """:class:`GLMData` for ``train``: features ``phi [N, D]`` (last layer) or per-input Jacobians
+    (all; categorical only)."""
     k = classifier.num_classes
     if subset is Subset.LAST_LAYER:
-        return GLMData(train.y, k, phi=phi, bias=classifier.head.bias is not None)
+        return GLMData(train.y, k, phi=phi, bias=classifier.head.bias is not None, likelihood=likelihood)
     theta = flat_parameters(classifier.net).double()
     need = len(train) * k * theta.numel() * 4
     if need > MAX_JACOBIAN_BYTES:

@@ -31,6 +31,14 @@ MAP end is the first power-of-ten fraction of ``κ_p`` at which every validation
 the start is ≤ :data:`MAP_LIMIT_VARIANCE` (there the predictive is MAP's to ~1e-5 NLL); the gap
 actually reached is recorded as ``map_limit_gap``. σ² stays at its value (given or
 ``mean(W_MAP²)``) and is recorded under ``fixed``.
+
+Multi-label classifiers (``likelihood == "bernoulli"``, a sigmoid per label, labels ``[N, K]``):
+the expected NLL is ``Σ_k E_{h~N(μ_k, v_k)}[BCE(h, y_k)]`` (by quadrature, exact:
+:mod:`bayescli.posterior.vi.mnvi_objective`), last layer and all layers alike, since moment
+propagation yields per-logit means and variances either way. The validation predictive is
+``E[σ(h_k)]`` per label, scored by the means over labels of the per-label criteria
+(:func:`bayescli.posterior.selection.scores`) against MAP's sigmoids; the κ → 0 argument above
+holds as is (the BCE is convex in the logit too). The posterior records ``likelihood``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from torch import nn
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
+from bayescli.metrics import map_probabilities
 from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.selection import Criterion, scores, select_on_grid, unvalidated
@@ -177,14 +186,16 @@ def fit(source: FitSource, settings: MNVIConfig) -> MNVIPosterior:
     chosen posterior's validation NLL.
     """
     start = time.perf_counter()
+    likelihood = source.model.likelihood
     if settings.subset == "last-layer":
         feats, val = source.features(), source.val_features()
         post = fit_features(
             feats.phi, feats.labels, source.classifier.head, settings,
             None if val is None else val.phi, None if val is None else val.labels, source.device,
+            likelihood,
         )  # fmt: skip
     else:
-        post = _fit_network(source, settings)
+        post = _fit_network(source, settings, likelihood)
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
@@ -197,11 +208,13 @@ def fit_features(
     phi_val: torch.Tensor | None = None,
     labels_val: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
+    likelihood: str = "categorical",
 ) -> MNVIPosterior:
-    """Last-layer MNVI on features ``phi [N, D]`` with labels ``[N]`` and the MAP ``head``.
+    """Last-layer MNVI on features ``phi [N, D]`` with labels ``[N]`` (``[N, K]`` for
+    ``likelihood="bernoulli"``) and the MAP ``head``.
 
-    With validation features ``phi_val [M, D]`` and labels ``[M]``, κ is chosen on them as
-    :func:`fit` does (module doc).
+    With validation features ``phi_val [M, D]`` and labels ``[M]`` (``[M, K]``), κ is chosen on
+    them as :func:`fit` does (module doc).
     """
     s = settings
     require(s.subset == "last-layer", "fit_features fits the last layer; use fit for subset all")
@@ -216,10 +229,10 @@ def fit_features(
     n = len(phi)
 
     def run(c: MNVIConfig) -> MNVIPosterior:
-        rho, means, curve = fit_head_once(phi, labels, weight, bias, c)
+        rho, means, curve = fit_head_once(phi, labels, weight, bias, c, likelihood)
         post = MNVIPosterior(
             Subset.LAST_LAYER, c.variant, {k: v.cpu() for k, v in rho.items()},
-            {k: v.cpu() for k, v in means.items()}, asdict(c),
+            {k: v.cpu() for k, v in means.items()}, asdict(c), likelihood=likelihood,
         )  # fmt: skip
         post.meta.update({"curve": curve, "n_data": n})
         return post
@@ -233,19 +246,19 @@ def fit_features(
         def probs(post: MNVIPosterior) -> torch.Tensor:
             lg = post.logit_gaussian(pv)
             gen = torch.Generator(device=device).manual_seed(s.seed)
-            return predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen)
+            return predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, likelihood)
 
         def start_variance(a0: float) -> float:
             return float((pv.square() @ (weight.square() * a0).T).max())
 
-        map_probs = torch.softmax(torch.nn.functional.linear(pv, weight, bias), -1)
+        map_probs = map_probabilities(torch.nn.functional.linear(pv, weight, bias), likelihood)
         val = _Validation(lv, probs, map_probs, start_variance)
     post = _choose(s, n, weight.square().mean().item(), run, val)
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
 
-def _fit_network(source: FitSource, s: MNVIConfig) -> MNVIPosterior:
+def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorical") -> MNVIPosterior:
     """All-layer MNVI post hoc on ``source`` (κ chosen as in :func:`fit`)."""
     device = source.device
     clf = source.classifier.to(device).eval()
@@ -263,9 +276,14 @@ def _fit_network(source: FitSource, s: MNVIConfig) -> MNVIPosterior:
                 means[f"{name}.weight"] = mod.weight.detach().clone().requires_grad_(True)
                 if mod.bias is not None:
                     means[f"{name}.bias"] = mod.bias.detach().clone().requires_grad_(True)
-        rho, curve = fit_network_once(clf, prop, train, c, device, means, [], False)
+        rho, curve = fit_network_once(clf, prop, train, c, device, means, [], False, likelihood)
         post = MNVIPosterior(
-            Subset.ALL, c.variant, rho, {k: v.detach().cpu() for k, v in means.items()}, asdict(c)
+            Subset.ALL,
+            c.variant,
+            rho,
+            {k: v.detach().cpu() for k, v in means.items()},
+            asdict(c),
+            likelihood=likelihood,
         )
         post.meta.update({"curve": curve, "n_data": len(train)})
         return post
@@ -285,9 +303,8 @@ def _fit_network(source: FitSource, s: MNVIConfig) -> MNVIPosterior:
                     for x, _ in source.val.batches(source.batch_size)
                 )
 
-        val = _Validation(
-            vfeats.labels.to(device), probs, vfeats.logits.to(device).softmax(-1), start_variance
-        )
+        map_probs = map_probabilities(vfeats.logits.to(device), likelihood)
+        val = _Validation(vfeats.labels.to(device), probs, map_probs, start_variance)
     return _choose(s, len(train), mean_square(prop), run, val)
 
 
@@ -295,13 +312,14 @@ def network_probs(
     post: MNVIPosterior, clf: Classifier, data: Data, device: torch.device, batch_size: int, seed: int
 ) -> torch.Tensor:
     """The MC predictive [002:(20)] of an all-layer ``post`` on ``data``'s inputs → ``[N, K]``
-    (logits by moment propagation through ``clf``; one seeded generator across batches)."""
+    (logits by moment propagation through ``clf``; one seeded generator across batches); per-label
+    ``E[σ(h_k)]`` for a bernoulli ``post``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     parts = []
     with torch.no_grad():
         for xb, _ in data.batches(batch_size):
             lg = post.logit_gaussian_inputs(clf, xb.to(device))
-            parts.append(predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen))
+            parts.append(predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, post.likelihood))
     return torch.cat(parts)
 
 
@@ -312,8 +330,8 @@ def network_probs(
 
 @dataclass
 class _Validation:
-    """What the κ selection needs of the validation set: ``labels [M]``, a posterior's
-    predictive ``probs(post) → [M, K]``, MAP's ``map_probs [M, K]`` and the largest logit
+    """What the κ selection needs of the validation set: ``labels [M]`` (``[M, K]`` multi-label),
+    a posterior's predictive ``probs(post) → [M, K]``, MAP's ``map_probs [M, K]`` and the largest logit
     variance at a uniform start noise ``start_variance(a0)``."""
 
     labels: torch.Tensor

@@ -1,11 +1,17 @@
 """The MNVI objective and its optimisation (VI-SPEC C1, [002:(16)-(18)]).
 
-The per-datapoint objective ``ℓ = mean_batch E_{h~N(μ, diag v)}[−ln softmax(h)_y] + (κ/N)·KL``
+The per-datapoint objective ``ℓ = mean_batch E_{h~N(μ, diag v)}[−ln p(y | h)] + (κ/N)·KL``
 with the KL of [002:(17)] against ``N(0, σ²)``, the MC predictive [002:(20)], and the two
 optimisation loops every MNVI fit runs: :func:`fit_head_once` on cached last-layer features and
 :func:`fit_network_once` through moment propagation (post hoc from a checkpoint, or from scratch
 by :mod:`bayescli.training.mnvi`). AMSGrad without weight decay, gradients rescaled to ∞-norm
 ``clip`` (VI-SPEC C6.6), learning rate ×0.1 after half the epochs ([002:Table 4] MNIST).
+
+The likelihood is the classifier's: ``categorical`` (``−ln softmax(h)_y``, labels ``[B]``; its
+expectation by ``samples`` reparameterised draws, [002:(16)]) or ``bernoulli`` (a sigmoid per
+label, labels ``[B, K]``: ``Σ_k E[BCE(h_k, y_k)]``, one 1-D integral per label, computed by
+quadrature in :mod:`bayescli.posterior.vi.bernoulli_expectations` — exact and differentiable, so
+``samples`` is unused). Its predictive is ``E[σ(h_k)]`` per label, by the same quadrature.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 
 from bayescli.data import Data
 from bayescli.models import Classifier
+from bayescli.posterior.vi.bernoulli_expectations import expected_log_likelihood, expected_sigmoid
 from bayescli.posterior.vi.moments import MomentPropagator
 from bayescli.progress import track
 
@@ -66,6 +73,26 @@ def expected_nll(
     return F.cross_entropy(h.reshape(-1, mean.shape[-1]), labels.repeat(samples))
 
 
+def expected_bce(mean: torch.Tensor, var: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``mean_b Σ_k E_{h~N(μ_bk, v_bk)}[BCE(h, y_bk)]`` for logits ``mean, var [B, K]`` and
+    multi-label ``labels [B, K]`` in ``{0, 1}`` (quadrature: exact, differentiable)."""
+    return -expected_log_likelihood(mean, var, labels).mean().to(mean.dtype)
+
+
+def batch_nll(
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    labels: torch.Tensor,
+    samples: int,
+    generator: torch.Generator,
+    likelihood: str,
+) -> torch.Tensor:
+    """The expected NLL per datapoint of ``likelihood`` (module docs) for logits ``[B, K]``."""
+    if likelihood == "bernoulli":
+        return expected_bce(mean, var, labels)
+    return expected_nll(mean, var, labels, samples, generator)
+
+
 def _rescale(params: list[torch.Tensor], clip: float) -> None:
     torch.nn.utils.clip_grad_norm_(params, clip, norm_type=math.inf)
 
@@ -84,10 +111,17 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[to
 
 
 def predictive_probs(
-    mean: torch.Tensor, var: torch.Tensor, samples: int, generator: torch.Generator
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    samples: int,
+    generator: torch.Generator,
+    likelihood: str = "categorical",
 ) -> torch.Tensor:
     """The MC predictive ``p = (1/S) Σ_s softmax(μ + √v ⊙ ε_s)`` [002:(20)] of Gaussian logits
-    ``mean, var [N, K]`` → ``[N, K]``, chunked over inputs."""
+    ``mean, var [N, K]`` → ``[N, K]``, chunked over inputs; for ``likelihood="bernoulli"`` the
+    per-label ``E[σ(h_k)]`` by quadrature (the limit of the ``mc`` link; no draws)."""
+    if likelihood == "bernoulli":
+        return expected_sigmoid(mean, var)
     k = mean.shape[-1]
     chunk = max(1, 2**22 // (samples * k))
     parts = []
@@ -101,9 +135,15 @@ def predictive_probs(
 
 
 def fit_head_once(
-    phi: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: MNVIConfig
+    phi: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: MNVIConfig,
+    likelihood: str = "categorical",
 ) -> tuple[dict, dict, list[dict]]:
-    """One last-layer MNVI fit; returns ``(rho, means, curve)`` (``cfg`` resolved)."""
+    """One last-layer MNVI fit on ``phi [N, D]`` and ``labels [N]`` (``[N, K]`` for
+    ``likelihood="bernoulli"``); returns ``(rho, means, curve)`` (``cfg`` resolved)."""
     device, n = phi.device, len(phi)
     gen = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -132,7 +172,7 @@ def fit_head_once(
             else:
                 mu, w2 = mu_all[idx], w2_fixed
             var = (pb.square() * a) @ w2.T
-            nll = expected_nll(mu, var, yb, cfg.samples, sample_gen)
+            nll = batch_nll(mu, var, yb, cfg.samples, sample_gen, likelihood)
             kl = kl_divergence(w, a, cfg.prior_var).to(phi.dtype)
             loss = nll + cfg.kl_weight * kl
             opt.zero_grad(set_to_none=True)
@@ -175,8 +215,10 @@ def fit_network_once(
     means: dict[str, torch.Tensor],
     net_params: list[torch.Tensor],
     train_mode: bool,
+    likelihood: str = "categorical",
 ) -> tuple[dict, list[dict]]:
-    """Optimise ρ (and the trainable ``means`` overrides / ``net_params``) of a whole network."""
+    """Optimise ρ (and the trainable ``means`` overrides / ``net_params``) of a whole network
+    (labels ``train.y [N]``, or ``[N, K]`` for ``likelihood="bernoulli"``)."""
     n = len(train)
     gen = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -196,7 +238,7 @@ def fit_network_once(
             xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
             noise = {k: F.softplus(v) for k, v in rho.items()}
             out = prop(clf.normalise(xb), noise, means)
-            nll = expected_nll(out.mean, out.variance(), yb, cfg.samples, sample_gen)
+            nll = batch_nll(out.mean, out.variance(), yb, cfg.samples, sample_gen, likelihood)
             kl = network_kl(prop, means, noise, cfg.prior_var).to(out.mean.dtype)
             loss = nll + cfg.kl_weight * kl
             opt.zero_grad(set_to_none=True)

@@ -46,7 +46,8 @@ class MNVIPosterior(Posterior):
     ``means`` holds the variational means where they are not the checkpoint's: last layer
     ``{"weight" [K, D], "bias" [K]}`` always; all layers ``{"<layer>.weight", "<layer>.bias"}``
     for ``mean-and-noise`` and nothing for ``noise-only``. ``config`` is the resolved
-    :class:`MNVIConfig` as a dict.
+    :class:`MNVIConfig` as a dict. ``likelihood`` is the classifier's: ``categorical`` (softmax) or
+    ``bernoulli`` (a sigmoid per label; per-label predictives); files without it are categorical.
     """
 
     subset: Subset
@@ -55,6 +56,7 @@ class MNVIPosterior(Posterior):
     means: dict[str, torch.Tensor]
     config: dict
     meta: dict = field(default_factory=dict)
+    likelihood: str = "categorical"
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     method: ClassVar[str] = "mnvi"
@@ -172,6 +174,7 @@ class MNVIPosterior(Posterior):
         a = torch.cat([F.softplus(r.detach().double()).reshape(-1) for r in self.rho.values()])
         return {
             "variant": self.variant,
+            "likelihood": self.likelihood,
             "exact": self.exact,
             "predictive": "closed-form" if self.exact else "moment-propagation",
             "variance_approximation": None if self.exact else VARIANCE_APPROXIMATION,
@@ -199,12 +202,19 @@ class MNVIPosterior(Posterior):
             order = meta.get("noise_layers", [])
             rho = {k: rho[k] for k in order} if set(order) == set(rho) else rho
         return cls(
-            subset, str(meta["variant"]), rho, means, dict(meta["config"]), cls.provenance(meta, _OWN_KEYS)
+            subset,
+            str(meta["variant"]),
+            rho,
+            means,
+            dict(meta["config"]),
+            cls.provenance(meta, _OWN_KEYS),
+            str(meta.get("likelihood", "categorical")),
         )
 
 
 _OWN_KEYS = {
     "variant",
+    "likelihood",
     "exact",
     "predictive",
     "variance_approximation",
