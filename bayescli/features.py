@@ -177,13 +177,14 @@ class FeatureStream:
 
     def _start(self) -> None:
         self.n, self.seconds, self.labelled = 0, 0.0, True
-        self._correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._correct = torch.zeros((), dtype=torch.float64, device=self.device)
         self._finite = torch.ones((), dtype=torch.bool, device=self.device)
 
     @property
-    def correct(self) -> int:
-        """MAP-correct predictions over the last pass (labelled data)."""
-        return int(self._correct)
+    def correct(self) -> float:
+        """MAP-correct predictions over the last pass (labelled data; multi-label: fractions of
+        labels right, summed)."""
+        return float(self._correct)
 
     @property
     def accuracy(self) -> float | None:
@@ -293,7 +294,7 @@ class LogitPass:
     data), whether all were ``labelled``, and the ``seconds`` it took."""
 
     n: int = 0
-    correct: int = 0
+    correct: float = 0.0
     labelled: bool = True
     seconds: float = 0.0
 
@@ -315,7 +316,7 @@ def logit_pass(
     check_input_shape(model, data)
     clf = model.classifier.to(device).eval()
     dev = torch.device(device)
-    correct = torch.zeros((), dtype=torch.int64, device=dev)
+    correct = torch.zeros((), dtype=torch.float64, device=dev)
     finite = torch.ones((), dtype=torch.bool, device=dev)
     stats = LogitPass()
     n_batches = (len(data) + batch_size - 1) // batch_size
@@ -336,7 +337,7 @@ def logit_pass(
     stats.seconds = time.perf_counter() - start
     if not bool(finite):
         raise BayescliError(f"{model.spec} produced non-finite logits on {data.spec}; check the checkpoint")
-    stats.correct = int(correct)
+    stats.correct = float(correct)
     return stats
 
 
@@ -367,7 +368,9 @@ def extract_features(
     labels = None if not stream.labelled else torch.cat([b.labels for b in batches])
     accuracy = stream.accuracy
     if accuracy is not None and not data.shifted:
-        message = low_accuracy_warning(accuracy, model.classifier.num_classes, data.spec)
+        message = low_accuracy_warning(
+            accuracy, model.classifier.num_classes, data.spec, multilabel=model.likelihood == "bernoulli"
+        )
         if message is not None:
             warnings.warn(LowAccuracyWarning(message, accuracy, data.spec), stacklevel=2)
     return Features(

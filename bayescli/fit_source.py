@@ -96,13 +96,13 @@ class FitSource:
         """Whether :meth:`features` already holds ``data``'s features (no backbone pass needed)."""
         return id(self.data if data is None else data) in self._memo
 
-    def map_counts(self) -> tuple[int, int]:
+    def map_counts(self) -> tuple[float, int]:
         """``(MAP-correct, inputs)`` on the fitting set, from a pass already made where there was one
         (features or a finished stream), else one pass of the whole network (whole-network fits may
         never split features from the head)."""
         if self.has_features():
             feats = self.features()
-            return int(map_correct(feats.logits, feats.labels).sum()), len(feats)
+            return float(map_correct(feats.logits, feats.labels).sum()), len(feats)
         if self._stream is not None and self._stream.n:
             return self._stream.correct, self._stream.n
         stats = logit_pass(self.model, self.data, self.batch_size, self.device)

@@ -197,11 +197,15 @@ def fit_posterior(
         post.meta["validated"] = bool((post.meta.get("selection") or {}).get("validated"))
     correct, n = source.map_counts()
     if parallel.world().distributed:
-        correct, n = (int(v) for v in parallel.all_reduce_sum(torch.tensor([correct, n])).tolist())
+        summed = parallel.all_reduce_sum(torch.tensor([correct, n], dtype=torch.float64)).tolist()
+        correct, n = summed[0], int(summed[1])
     post.meta["map_accuracy"] = correct / n if n else None
     if n:
         message = low_accuracy_warning(
-            correct / n, source.num_classes, f"the fitting data {source.data.spec}"
+            correct / n,
+            source.num_classes,
+            f"the fitting data {source.data.spec}",
+            multilabel=source.model.likelihood == "bernoulli",
         )
         if message is not None:
             warnings.warn(LowAccuracyWarning(message, correct / n, source.data.spec), stacklevel=2)

@@ -38,13 +38,14 @@ def accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def map_correct(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Whether MAP is right on each input ``[N]`` (bool): the arg-max of ``logits [N, K]`` is the
-    label ``y [N]``, or, for multi-label ``y [N, K]``, every label is right (present exactly where
-    its logit is positive, i.e. its sigmoid exceeds ½: subset accuracy's notion)."""
+    """How right MAP is on each input ``[N]`` (float64): 1 where the arg-max of ``logits [N, K]``
+    is the label ``y [N]``, else 0; for multi-label ``y [N, K]`` the fraction of labels right (a
+    label is predicted present where its logit is positive, i.e. its sigmoid exceeds ½), so the
+    mean is the per-label accuracy ``bayescli train`` reports."""
     y = y.to(logits.device)
     if y.dim() == 2:
-        return ((logits > 0) == y.bool()).all(-1)
-    return logits.argmax(-1) == y
+        return ((logits > 0) == y.bool()).double().mean(-1)
+    return (logits.argmax(-1) == y).double()
 
 
 def map_probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
@@ -224,17 +225,20 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
     }
 
 
-def low_accuracy_warning(acc: float, num_classes: int, where: str) -> str | None:
-    """A warning when accuracy is below 50% or within 2× of chance (``1/K``), else ``None``.
+def low_accuracy_warning(acc: float, num_classes: int, where: str, multilabel: bool = False) -> str | None:
+    """A warning when accuracy is below 50% or within 2× of chance (``1/K``), else ``None``; for a
+    multi-label model (``acc`` the per-label accuracy of :func:`map_correct`) when it is below 50%,
+    a coin flip per label.
 
     A pretrained model that scores this low on its own kind of data is almost always fed wrongly
     (preprocessing, class order, wrong head), and every uncertainty number after it is meaningless.
     """
-    chance = 1.0 / num_classes
-    if acc >= 0.5 and acc > 2 * chance:
+    chance = 0.5 if multilabel else 1.0 / num_classes
+    if acc >= 0.5 and (multilabel or acc > 2 * chance):
         return None
+    what = "per-label MAP accuracy" if multilabel else "MAP accuracy"
     return (
-        f"MAP accuracy on {where} is {acc:.1%} (chance {chance:.1%}): check the preprocessing "
+        f"{what} on {where} is {acc:.1%} (chance {chance:.1%}): check the preprocessing "
         "(--preprocess / --mean --std --resize --crop), the class order of the data, and the head (--head)"
     )
 

@@ -245,3 +245,20 @@ def test_bad_shapes_and_values_raise_one_line():
         with pytest.raises(BayescliError, match=pattern) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+def test_map_accuracy_of_a_multilabel_net_is_per_label_and_its_warning_uses_a_coin_flip():
+    from bayescli.metrics import low_accuracy_warning, map_correct
+
+    logits = torch.tensor([[2.0, -1.0, -3.0, 0.5], [-1.0, -2.0, 1.0, 1.0], [1.0, 1.0, 1.0, -1.0]])
+    y = torch.tensor([[1, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 0]])
+    # labels right per input: 3/4, 4/4, 3/4 (a loop over the definition)
+    expected = [sum((float(logits[i, k]) > 0) == bool(y[i, k]) for k in range(4)) / 4 for i in range(3)]
+    assert map_correct(logits, y).tolist() == pytest.approx(expected, abs=0)
+    assert map_correct(logits, y).mean().item() == pytest.approx(10 / 12)
+    # a well-fed net: 83% of labels right though only one input has every label right (subset 33%)
+    assert low_accuracy_warning(10 / 12, 4, "the data", multilabel=True) is None
+    # the softmax rule would call 33% (subset accuracy) fed wrongly; below a coin flip per label is
+    message = low_accuracy_warning(0.45, 4, "the data", multilabel=True)
+    assert message is not None and "per-label MAP accuracy on the data is 45.0% (chance 50.0%)" in message
+    assert low_accuracy_warning(0.45, 4, "the data") is not None

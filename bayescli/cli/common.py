@@ -449,7 +449,8 @@ def low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str =
 
     if labels is None or not len(labels):
         return None
-    return low_accuracy_warning(map_correct(logits, labels).double().mean().item(), logits.shape[-1], where)
+    accuracy = map_correct(logits, labels).mean().item()
+    return low_accuracy_warning(accuracy, logits.shape[-1], where, multilabel=labels.dim() == 2)
 
 
 def warn_low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str) -> None:

@@ -99,7 +99,8 @@ def inspect_cmd(
             c.warn("the logits are not linear in the head's weights: only --subset all methods apply")
         if stream.accuracy is not None:
             seen["map_accuracy"] = stream.accuracy
-            c.warn(low_accuracy_warning(stream.accuracy, loaded.classifier.num_classes, data))
+            multilabel = loaded.likelihood == "bernoulli"
+            c.warn(low_accuracy_warning(stream.accuracy, loaded.classifier.num_classes, data, multilabel))
     # described after the pass: the output kind is only known once the network has run
     info: dict[str, Any] = {**loaded.describe(), "class_names": loaded.class_names, **seen}
     names = info.pop("class_names")
