@@ -52,8 +52,8 @@ def table(ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict]:
     """MAP vs Laplace vs MNVI on composed MNIST (rows of the README table)."""
     import bayescli
     from bayescli.data import load_data
-    from bayescli.models import load_classifier
     from bayescli.laplace_fit import PriorRule
+    from bayescli.models import load_classifier
 
     loaded = load_classifier("builtin:small-cnn", ckpt)
     train, val, test = (
