@@ -57,6 +57,7 @@ class GLMData:
     jac: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     likelihood: str = "categorical"
+    phi_sq: torch.Tensor | None = None  # φ̃² when precomputed (:meth:`in_dtype`)
     _chunk_key: tuple | None = field(default=None, repr=False)
     _chunk: tuple = field(default=(None, None), repr=False)
 
@@ -76,6 +77,7 @@ class GLMData:
                 phi=self.phi[index],
                 bias=self.bias,
                 likelihood=self.likelihood,
+                phi_sq=None if self.phi_sq is None else self.phi_sq[index],
             )
         return GLMData(
             self.labels[index],
@@ -85,12 +87,28 @@ class GLMData:
             likelihood=self.likelihood,
         )
 
+    def in_dtype(self, dtype: torch.dtype, squares: bool) -> GLMData:
+        """Last layer: the same rows with ``φ̃`` augmented and in ``dtype`` once (and ``φ̃²`` with
+        ``squares``), so every iteration's chunks are slices, not conversions; ``self`` otherwise."""
+        if not self.last_layer:
+            return self
+        phi = self.phi.to(dtype)
+        phi = augment(phi) if self.bias else phi
+        sq = phi.square() if squares else None
+        k, lik = self.num_classes, self.likelihood
+        return GLMData(self.labels, k, phi=phi, bias=False, likelihood=lik, phi_sq=sq)
+
     def chunks(self, size: int) -> Iterator[slice]:
         for start in range(0, len(self), size):
             yield slice(start, start + size)
 
     def _phi(self, sl: slice, dtype: torch.dtype = torch.float64, square: bool = False) -> torch.Tensor:
-        """``φ̃`` (or ``φ̃²``) of a chunk; the last chunk's are kept, as each is used three times."""
+        """``φ̃`` (or ``φ̃²``) of a chunk: a slice when already in ``dtype`` (:meth:`in_dtype`), else
+        converted, the last chunk's kept, as each is used three times."""
+        if square and self.phi_sq is not None and self.phi_sq.dtype == dtype:
+            return self.phi_sq[sl]
+        if not square and not self.bias and self.phi.dtype == dtype:
+            return self.phi[sl]
         key = (sl.start, sl.stop, dtype)
         if self._chunk_key != key:
             phi = self.phi[sl].to(dtype)
@@ -110,12 +128,15 @@ class GLMData:
             return self._phi(sl, mean.dtype) @ mean.T
         return self.offset[sl] + self.jac[sl].double() @ mean
 
-    def logit_cov(self, state: _State, sl: slice) -> torch.Tensor:
-        """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag) or ``[B, K, K]``."""
+    def logit_cov(self, state: _State, sl: slice, diagonal: bool = False) -> torch.Tensor:
+        """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag, or ``diagonal`` on the last layer:
+        its diagonal only, what the Bernoulli likelihood needs) or ``[B, K, K]``."""
         if self.last_layer:
             if state.factor is None:
                 return self._phi(sl, state.variance.dtype, square=True) @ state.variance.T
             phi = self._phi(sl)
+            if diagonal:  # v_nk = φ̃_nᵀ Σ_kk φ̃_n: N·K·D² flops instead of N·K·D·P for J_n G
+                return (phi @ state.label_blocks(len(state.mean)) * phi).sum(-1).T
             k, d1 = state.mean.shape
             jg = torch.einsum("nd,kdp->nkp", phi, state.factor.reshape(k, d1, -1))
             return jg @ jg.transpose(1, 2)
@@ -139,7 +160,8 @@ class GLMData:
             if diag:  # lam is the diagonal [B, K] here: the logit covariance is diagonal too
                 return (lam.T @ self._phi(sl, lam.dtype, square=True)).double()
             if lam.dim() == 2:  # diagonal Λ_n: block k = Σ_n λ_nk φ̃_nφ̃_nᵀ, no coupling across labels
-                return torch.block_diag(*torch.einsum("nk,nd,ne->kde", lam, phi, phi)).double()
+                blocks = (lam.T[:, :, None] * phi).transpose(1, 2) @ phi  # [K, D, D], one batched GEMM
+                return torch.block_diag(*blocks).double()
             k, d1 = lam.shape[1], phi.shape[1]
             blocks = (lam[:, :, :, None] * phi[:, None, None, :]).reshape(len(phi), -1).T @ phi
             return blocks.reshape(k, k, d1, d1).permute(0, 2, 1, 3).reshape(k * d1, k * d1)
@@ -160,6 +182,7 @@ class _State:
     variance: torch.Tensor | None = None  # diag: 1 / (h + δ)
     factor: torch.Tensor | None = None  # full: G = C⁻ᵀ with C Cᵀ = Σ⁻¹, so Σ = G Gᵀ
     chol: torch.Tensor | None = None
+    _blocks: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, mean: torch.Tensor, curvature: torch.Tensor, delta: float) -> _State:
@@ -169,6 +192,14 @@ class _State:
         chol = torch.linalg.cholesky(0.5 * (curvature + curvature.T) + delta * eye)
         factor = torch.linalg.solve_triangular(chol, eye, upper=False).T
         return cls(mean, curvature, delta, factor=factor, chol=chol)
+
+    def label_blocks(self, num_labels: int) -> torch.Tensor:
+        """The diagonal blocks ``Σ_kk = G_k G_kᵀ`` ``[K, D, D]`` of a full ``Σ`` over ``K`` labels'
+        weight rows (``G_k`` = rows ``kD … (k+1)D − 1`` of ``G``); computed once per state."""
+        if self._blocks is None:
+            rows = self.factor.reshape(num_labels, -1, self.factor.shape[1])
+            self._blocks = rows @ rows.transpose(1, 2)
+        return self._blocks
 
     def solve(self, g: torch.Tensor) -> torch.Tensor:
         """``Σ g`` (``g`` shaped like the mean)."""
@@ -234,6 +265,8 @@ def natural_gradient_vi(
     residuals: dict = {}
     n = len(data)
     stochastic = minibatch is not None and minibatch < n
+    # φ̃ (and, full-batch diag, φ̃²) converted once for all iterations, not per chunk and iteration
+    data = data.in_dtype(work, squares=diag and not stochastic)
     order = torch.empty(0, dtype=torch.int64)
     for _ in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
@@ -248,7 +281,7 @@ def natural_gradient_vi(
             batch, order = data.rows(order[:minibatch]), order[minibatch:]
         for sl in batch.chunks(batch_size):
             mean_b = batch.logit_mean(mean_w, sl)
-            cov_b = batch.logit_cov(view, sl)
+            cov_b = batch.logit_cov(view, sl, diagonal=bernoulli)
             if bernoulli:
                 e_ll, resid, lam = bernoulli_expectations(mean_b, cov_b, batch.labels[sl])
             else:
