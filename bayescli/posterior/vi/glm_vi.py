@@ -414,7 +414,7 @@ def _expectations(data: GLMData, samples: int) -> str:
     if data.likelihood == "bernoulli":
         return (
             f"exact: per label, Gauss-Hermite with {HERMITE_BANDS[0][1]}-{HERMITE_BANDS[-1][1]} nodes by "
-            f"logit std (<= {SWITCH_STD}) or {LAGUERRE_NODES}-node Gauss-Laguerre on the sigmoid's smooth part"
+            f"logit std (<= {SWITCH_STD}) or {LAGUERRE_NODES}-node Gauss-Laguerre on the smooth part"
         )
     return expectation_label(data.num_classes, samples)
 
