@@ -55,6 +55,9 @@ LAGUERRE_NODES = 64
 LAGUERRE_WEIGHT_FLOOR = 1e-25
 # Gauss–Hermite up to this logit standard deviation, the split-off-the-step Laguerre form above.
 SWITCH_STD = HERMITE_BANDS[-1][0]
+# softplus(f) is f to float64 round-off above this (e^{−40} = 4e-18); PyTorch's default threshold,
+# 20, errs by e^{−20} = 2e-9 just above it
+SOFTPLUS_LINEAR = 40.0
 # keeps √v differentiable where a logit variance is exactly 0
 _VAR_FLOOR = 1e-20
 _SQRT_2PI = math.sqrt(2 * math.pi)
@@ -110,7 +113,8 @@ def _hermite_rule(mu: torch.Tensor, std: torch.Tensor, num: int) -> torch.Tensor
     z, w = _hermite(num, mu.device)
     f = torch.addcmul(mu[:, None], std[:, None], z)
     sig = torch.sigmoid(f)
-    return torch.stack([nn.functional.softplus(f) @ w, sig @ w, (sig * (1 - sig)) @ w])
+    softplus = nn.functional.softplus(f, threshold=SOFTPLUS_LINEAR)
+    return torch.stack([softplus @ w, sig @ w, (sig * (1 - sig)) @ w])
 
 
 def gaussian_expectations(mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, ...]:
