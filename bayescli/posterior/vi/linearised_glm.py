@@ -172,6 +172,19 @@ class GLMData:
         return jac.reshape(-1, jac.shape[2]).T @ lam_jac.reshape(-1, jac.shape[2])
 
 
+def _label_diagonal_blocks(mean: torch.Tensor, curvature: torch.Tensor) -> torch.Tensor | None:
+    """The label blocks ``[K, D, D]`` of a last-layer ``curvature [KD, KD]`` (mean ``[K, D]``) when
+    every entry outside them is zero, else ``None``."""
+    if mean.dim() != 2:
+        return None
+    k, d = mean.shape
+    grid = curvature.reshape(k, d, k, d)
+    coupling = grid.abs().amax((1, 3))  # [K, K]: the largest entry of each block
+    if bool((coupling - torch.diag(coupling.diagonal())).any()):
+        return None
+    return grid.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+
 @dataclass
 class _State:
     """``q`` in the iteration: mean, curvature ``Σ⁻¹ − δI`` and what the pushes need."""
@@ -188,6 +201,18 @@ class _State:
     def build(cls, mean: torch.Tensor, curvature: torch.Tensor, delta: float) -> _State:
         if curvature.shape == mean.shape:
             return cls(mean, curvature, delta, variance=1.0 / (curvature + delta))
+        blocks = _label_diagonal_blocks(mean, curvature)
+        if blocks is not None:
+            # block-diagonal over labels (the Bernoulli start and updates keep it so): K Choleskys of
+            # [D, D] instead of one of [KD, KD]; the same factors, assembled for solve and kl
+            eye = torch.eye(blocks.shape[1], dtype=blocks.dtype)
+            chol_b = torch.linalg.cholesky(0.5 * (blocks + blocks.mT) + delta * eye)
+            factor_b = torch.linalg.solve_triangular(chol_b, eye.expand_as(chol_b), upper=False).mT
+            state = cls(
+                mean, curvature, delta, factor=torch.block_diag(*factor_b), chol=torch.block_diag(*chol_b)
+            )
+            state._blocks = factor_b @ factor_b.mT
+            return state
         eye = torch.eye(len(curvature), dtype=curvature.dtype)
         chol = torch.linalg.cholesky(0.5 * (curvature + curvature.T) + delta * eye)
         factor = torch.linalg.solve_triangular(chol, eye, upper=False).T
