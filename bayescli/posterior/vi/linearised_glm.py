@@ -12,7 +12,10 @@ or, for a multi-label head (``likelihood="bernoulli"``, labels ``[N, K]``, last 
 per label (:mod:`bayescli.posterior.vi.bernoulli_expectations`: ``E[σ(f_k)]`` and
 ``E[σ(f_k)(1 − σ(f_k))]`` under ``N(μ_k, v_k)`` by quadrature). The Bernoulli ``Λ_n`` is diagonal,
 so ``Σ_n J_nᵀ E[Λ_n] J_n`` is block-diagonal over labels (block ``k`` = ``Σ_n E[λ_nk] φ̃_nφ̃_nᵀ``,
-as in :mod:`bayescli.posterior.bernoulli_curvature`), built without per-input Jacobians. With ``minibatch``
+as in :mod:`bayescli.posterior.bernoulli_curvature`), built without per-input Jacobians; the
+expectations need only the logit variances ``v_nk = φ̃_nᵀ Σ_kk φ̃_n``, and a precision that is
+block-diagonal over labels (the Bernoulli Laplace start, kept so by these updates) is factorised
+block by block: ``K`` Choleskys of ``[D, D]``, not one of ``[KD, KD]``. With ``minibatch``
 rows per iteration (stochastic natural-gradient VI) both sums are taken over that many rows,
 drawn without replacement pass by pass, and scaled by ``N/B``: unbiased for the full sums, so the
 fixed point is the same, and the β-weighted averaging pools the draws over ~1/β iterations.
