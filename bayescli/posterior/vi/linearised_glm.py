@@ -42,6 +42,8 @@ from bayescli.progress import track
 
 # All-layer GLM VI keeps every fitting input's Jacobian [K, P] (float32) in memory: this is the cap.
 MAX_JACOBIAN_BYTES = 4 * 2**30
+# Full-batch last-layer iterations keep φ̃ (and φ̃²) in the working dtype up to this size.
+PREPARED_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -293,8 +295,11 @@ def natural_gradient_vi(
     residuals: dict = {}
     n = len(data)
     stochastic = minibatch is not None and minibatch < n
-    # φ̃ (and, full-batch diag, φ̃²) converted once for all iterations, not per chunk and iteration
-    data = data.in_dtype(work, squares=diag and not stochastic)
+    # φ̃ (and φ̃² for diag) converted once for all iterations, not per chunk and iteration, where the
+    # copies fit PREPARED_BYTES; minibatches are converted as they are drawn
+    copies = (2 if diag else 1) * n * (data.phi.shape[1] + 1) if data.last_layer else 0
+    if not stochastic and copies * work.itemsize <= PREPARED_BYTES:
+        data = data.in_dtype(work, squares=diag)
     order = torch.empty(0, dtype=torch.int64)
     for _ in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
@@ -306,7 +311,7 @@ def natural_gradient_vi(
         if stochastic:
             if len(order) < minibatch:
                 order = torch.cat([order, torch.randperm(n, generator=gen)])
-            batch, order = data.rows(order[:minibatch]), order[minibatch:]
+            batch, order = data.rows(order[:minibatch]).in_dtype(work, squares=diag), order[minibatch:]
         for sl in batch.chunks(batch_size):
             mean_b = batch.logit_mean(mean_w, sl)
             cov_b = batch.logit_cov(view, sl, diagonal=bernoulli)
