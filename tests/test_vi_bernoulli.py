@@ -32,6 +32,7 @@ from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.bernoulli_expectations import (
+    HERMITE_BANDS,
     bernoulli_expectations,
     expected_sigmoid,
     gaussian_expectations,
@@ -49,6 +50,12 @@ K_SE = 6.0
 # The quadrature rules are exact to ≲ 1e-13 (measured against scipy's adaptive quadrature at
 # 1e-14): 1e-11 leaves ≥ 10² margin and stays above quad's own error.
 QUAD = 1e-11
+
+# The Gauss–Hermite bands up to √v = 1 are designed for ≤ 1e-13 (module docs; measured ≲ 8e-14
+# here): the band test allows 1e-12 there, QUAD in the last band (the 64-node rule: 6e-13 at 1.5).
+BAND = 1e-12
+# means of the band test: both tails, the step and its shoulders
+BAND_MU = (-40.0, -15.0, -6.0, -2.5, -1.0, -0.4, 0.0, 0.25, 0.8, 1.7, 4.0, 9.0, 25.0)
 
 # means and standard deviations spanning both rules (√v ≤ 1.5: Gauss–Hermite, else Laguerre) and
 # the tails (|μ| up to 30, √v up to 50)
@@ -90,6 +97,34 @@ def test_expectations_match_adaptive_quadrature(which):
     pairs = zip(mu.tolist(), std.tolist(), strict=True)
     want = torch.tensor([_quad(FUNCTIONS[which], m, s) for m, s in pairs], dtype=torch.float64)
     assert_close(got, want, atol=QUAD, what=f"E[{which}]")
+
+
+def test_hermite_bands_meet_their_error_bound():
+    """Each Gauss–Hermite band at its widest standard deviation (where its error peaks) and its
+        middle, over the means of BAND_MU, against scipy.integrate.quad: all three integrands ≤ BAND
+        (QUAD above √v = 1; the softplus at nodes above 20, where PyTorch's default threshold made
+    it linear, ~2e-9 off at 20). The softplus oracle integrates ``softplus(−f)`` and adds ``μ`` for
+        ``μ > 0`` (``softplus(f) = f + softplus(−f)``): quad on the large values loses ~1e-11."""
+    lo = 0.0
+    stds = []
+    for top, _ in HERMITE_BANDS:
+        stds += [0.5 * (lo + top), top]
+        lo = top
+    grid = torch.meshgrid(torch.tensor(BAND_MU), torch.tensor(stds), indexing="ij")
+    mu, std = (t.reshape(-1).double() for t in grid)
+    got = gaussian_expectations(mu, std.square())
+    narrow = std <= 1.0
+
+    def oracle(which: str, m: float, s: float) -> float:
+        if which == "softplus" and m > 0:
+            return m + _quad(lambda h: np.logaddexp(0, -h), m, s)
+        return _quad(FUNCTIONS[which], m, s)
+
+    pairs = list(zip(mu.tolist(), std.tolist(), strict=True))
+    for which, value in zip(FUNCTIONS, got, strict=True):
+        want = torch.tensor([oracle(which, m, s) for m, s in pairs], dtype=torch.float64)
+        assert_close(value[narrow], want[narrow], atol=BAND, what=f"E[{which}], sd <= 1")
+        assert_close(value[~narrow], want[~narrow], atol=QUAD, what=f"E[{which}], 1 < sd <= 1.5")
 
 
 def test_expectations_match_monte_carlo():

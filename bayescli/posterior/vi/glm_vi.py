@@ -45,7 +45,7 @@ Multi-label classifiers (``likelihood == "bernoulli"``, a sigmoid per label, lab
 last layer): ``log p(y | f) = Σ_k [y_k log σ(f_k) + (1 − y_k) log(1 − σ(f_k))]``, so ``r = y − σ(f)``
 and ``Λ = diag(σ(f)(1 − σ(f)))``; their expectations under the logit marginals ``N(μ_k, v_k)`` are
 1-D integrals per label, by quadrature (:mod:`~bayescli.posterior.vi.bernoulli_expectations`,
-exact to ~1e-13), and the curvature is block-diagonal over labels. The Laplace start is the
+exact to ~1e-12), and the curvature is block-diagonal over labels. The Laplace start is the
 Bernoulli one (:mod:`bayescli.posterior.bernoulli_curvature`), the validation predictive
 ``E[σ(f_k)]`` per label (the limit of the ``mc`` link) scored per label against MAP's sigmoids.
 
@@ -81,7 +81,12 @@ from bayescli.posterior.gaussian import (
 )
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
 from bayescli.posterior.selection import Criterion
-from bayescli.posterior.vi.bernoulli_expectations import LAGUERRE_NODES, expected_sigmoid
+from bayescli.posterior.vi.bernoulli_expectations import (
+    HERMITE_BANDS,
+    LAGUERRE_NODES,
+    SWITCH_STD,
+    expected_sigmoid,
+)
 from bayescli.posterior.vi.linearised_glm import GLMData, NGVIResult, linearised_data, natural_gradient_vi
 from bayescli.posterior.vi.network_weights import flat_parameters, network_logits
 from bayescli.posterior.vi.prior_precision import (
@@ -95,7 +100,7 @@ from bayescli.posterior.vi.prior_precision import (
     selects,
 )
 from bayescli.posterior.vi.setting_values import as_float
-from bayescli.posterior.vi.softmax_expectations import GH_NODES, VAL_SAMPLES, expectation_label, mc_probs
+from bayescli.posterior.vi.softmax_expectations import VAL_SAMPLES, expectation_label, mc_probs
 
 COVARIANCES = ("diag", "full")
 # δ of the point mass at θ* (curvature zero): weight variances 1e-30, finite so the file's JSON
@@ -408,8 +413,8 @@ def _expectations(data: GLMData, samples: int) -> str:
     """How the likelihood's expectations are computed (recorded under ``meta["vi"]``)."""
     if data.likelihood == "bernoulli":
         return (
-            f"exact: per label, {GH_NODES}-node Gauss-Hermite (logit std <= 1.5) or "
-            f"{LAGUERRE_NODES}-node Gauss-Laguerre on the sigmoid's smooth part"
+            f"exact: per label, Gauss-Hermite with {HERMITE_BANDS[0][1]}-{HERMITE_BANDS[-1][1]} nodes by "
+            f"logit std (<= {SWITCH_STD}) or {LAGUERRE_NODES}-node Gauss-Laguerre on the smooth part"
         )
     return expectation_label(data.num_classes, samples)
 

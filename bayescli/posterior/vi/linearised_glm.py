@@ -12,7 +12,10 @@ or, for a multi-label head (``likelihood="bernoulli"``, labels ``[N, K]``, last 
 per label (:mod:`bayescli.posterior.vi.bernoulli_expectations`: ``E[σ(f_k)]`` and
 ``E[σ(f_k)(1 − σ(f_k))]`` under ``N(μ_k, v_k)`` by quadrature). The Bernoulli ``Λ_n`` is diagonal,
 so ``Σ_n J_nᵀ E[Λ_n] J_n`` is block-diagonal over labels (block ``k`` = ``Σ_n E[λ_nk] φ̃_nφ̃_nᵀ``,
-as in :mod:`bayescli.posterior.bernoulli_curvature`), built without per-input Jacobians. With ``minibatch``
+as in :mod:`bayescli.posterior.bernoulli_curvature`), built without per-input Jacobians; the
+expectations need only the logit variances ``v_nk = φ̃_nᵀ Σ_kk φ̃_n``, and a precision that is
+block-diagonal over labels (the Bernoulli Laplace start, kept so by these updates) is factorised
+block by block: ``K`` Choleskys of ``[D, D]``, not one of ``[KD, KD]``. With ``minibatch``
 rows per iteration (stochastic natural-gradient VI) both sums are taken over that many rows,
 drawn without replacement pass by pass, and scaled by ``N/B``: unbiased for the full sums, so the
 fixed point is the same, and the β-weighted averaging pools the draws over ~1/β iterations.
@@ -39,6 +42,8 @@ from bayescli.progress import track
 
 # All-layer GLM VI keeps every fitting input's Jacobian [K, P] (float32) in memory: this is the cap.
 MAX_JACOBIAN_BYTES = 4 * 2**30
+# Full-batch last-layer iterations keep φ̃ (and φ̃²) in the working dtype up to this size.
+PREPARED_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -57,6 +62,7 @@ class GLMData:
     jac: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     likelihood: str = "categorical"
+    phi_sq: torch.Tensor | None = None  # φ̃² when precomputed (:meth:`in_dtype`)
     _chunk_key: tuple | None = field(default=None, repr=False)
     _chunk: tuple = field(default=(None, None), repr=False)
 
@@ -76,6 +82,7 @@ class GLMData:
                 phi=self.phi[index],
                 bias=self.bias,
                 likelihood=self.likelihood,
+                phi_sq=None if self.phi_sq is None else self.phi_sq[index],
             )
         return GLMData(
             self.labels[index],
@@ -85,12 +92,28 @@ class GLMData:
             likelihood=self.likelihood,
         )
 
+    def in_dtype(self, dtype: torch.dtype, squares: bool) -> GLMData:
+        """Last layer: the same rows with ``φ̃`` augmented and in ``dtype`` once (and ``φ̃²`` with
+        ``squares``), so every iteration's chunks are slices, not conversions; ``self`` otherwise."""
+        if not self.last_layer:
+            return self
+        phi = self.phi.to(dtype)
+        phi = augment(phi) if self.bias else phi
+        sq = phi.square() if squares else None
+        k, lik = self.num_classes, self.likelihood
+        return GLMData(self.labels, k, phi=phi, bias=False, likelihood=lik, phi_sq=sq)
+
     def chunks(self, size: int) -> Iterator[slice]:
         for start in range(0, len(self), size):
             yield slice(start, start + size)
 
     def _phi(self, sl: slice, dtype: torch.dtype = torch.float64, square: bool = False) -> torch.Tensor:
-        """``φ̃`` (or ``φ̃²``) of a chunk; the last chunk's are kept, as each is used three times."""
+        """``φ̃`` (or ``φ̃²``) of a chunk: a slice when already in ``dtype`` (:meth:`in_dtype`), else
+        converted, the last chunk's kept, as each is used three times."""
+        if square and self.phi_sq is not None and self.phi_sq.dtype == dtype:
+            return self.phi_sq[sl]
+        if not square and not self.bias and self.phi.dtype == dtype:
+            return self.phi[sl]
         key = (sl.start, sl.stop, dtype)
         if self._chunk_key != key:
             phi = self.phi[sl].to(dtype)
@@ -110,12 +133,15 @@ class GLMData:
             return self._phi(sl, mean.dtype) @ mean.T
         return self.offset[sl] + self.jac[sl].double() @ mean
 
-    def logit_cov(self, state: _State, sl: slice) -> torch.Tensor:
-        """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag) or ``[B, K, K]``."""
+    def logit_cov(self, state: _State, sl: slice, diagonal: bool = False) -> torch.Tensor:
+        """``J_n Σ J_nᵀ``: a variance ``[B, K]`` (last-layer diag, or ``diagonal`` on the last layer:
+        its diagonal only, what the Bernoulli likelihood needs) or ``[B, K, K]``."""
         if self.last_layer:
             if state.factor is None:
                 return self._phi(sl, state.variance.dtype, square=True) @ state.variance.T
             phi = self._phi(sl)
+            if diagonal:  # v_nk = φ̃_nᵀ Σ_kk φ̃_n: N·K·D² flops instead of N·K·D·P for J_n G
+                return (phi @ state.label_blocks(len(state.mean)) * phi).sum(-1).T
             k, d1 = state.mean.shape
             jg = torch.einsum("nd,kdp->nkp", phi, state.factor.reshape(k, d1, -1))
             return jg @ jg.transpose(1, 2)
@@ -139,7 +165,8 @@ class GLMData:
             if diag:  # lam is the diagonal [B, K] here: the logit covariance is diagonal too
                 return (lam.T @ self._phi(sl, lam.dtype, square=True)).double()
             if lam.dim() == 2:  # diagonal Λ_n: block k = Σ_n λ_nk φ̃_nφ̃_nᵀ, no coupling across labels
-                return torch.block_diag(*torch.einsum("nk,nd,ne->kde", lam, phi, phi)).double()
+                blocks = (lam.T[:, :, None] * phi).transpose(1, 2) @ phi  # [K, D, D], one batched GEMM
+                return torch.block_diag(*blocks).double()
             k, d1 = lam.shape[1], phi.shape[1]
             blocks = (lam[:, :, :, None] * phi[:, None, None, :]).reshape(len(phi), -1).T @ phi
             return blocks.reshape(k, k, d1, d1).permute(0, 2, 1, 3).reshape(k * d1, k * d1)
@@ -148,6 +175,19 @@ class GLMData:
         if diag:
             return (lam_jac * jac).sum((0, 1))
         return jac.reshape(-1, jac.shape[2]).T @ lam_jac.reshape(-1, jac.shape[2])
+
+
+def _label_diagonal_blocks(mean: torch.Tensor, curvature: torch.Tensor) -> torch.Tensor | None:
+    """The label blocks ``[K, D, D]`` of a last-layer ``curvature [KD, KD]`` (mean ``[K, D]``) when
+    every entry outside them is zero, else ``None``."""
+    if mean.dim() != 2:
+        return None
+    k, d = mean.shape
+    grid = curvature.reshape(k, d, k, d)
+    coupling = grid.abs().amax((1, 3))  # [K, K]: the largest entry of each block
+    if bool((coupling - torch.diag(coupling.diagonal())).any()):
+        return None
+    return grid.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
 @dataclass
@@ -160,15 +200,36 @@ class _State:
     variance: torch.Tensor | None = None  # diag: 1 / (h + δ)
     factor: torch.Tensor | None = None  # full: G = C⁻ᵀ with C Cᵀ = Σ⁻¹, so Σ = G Gᵀ
     chol: torch.Tensor | None = None
+    _blocks: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, mean: torch.Tensor, curvature: torch.Tensor, delta: float) -> _State:
         if curvature.shape == mean.shape:
             return cls(mean, curvature, delta, variance=1.0 / (curvature + delta))
+        blocks = _label_diagonal_blocks(mean, curvature)
+        if blocks is not None:
+            # block-diagonal over labels (the Bernoulli start and updates keep it so): K Choleskys of
+            # [D, D] instead of one of [KD, KD]; the same factors, assembled for solve and kl
+            eye = torch.eye(blocks.shape[1], dtype=blocks.dtype)
+            chol_b = torch.linalg.cholesky(0.5 * (blocks + blocks.mT) + delta * eye)
+            factor_b = torch.linalg.solve_triangular(chol_b, eye.expand_as(chol_b), upper=False).mT
+            state = cls(
+                mean, curvature, delta, factor=torch.block_diag(*factor_b), chol=torch.block_diag(*chol_b)
+            )
+            state._blocks = factor_b @ factor_b.mT
+            return state
         eye = torch.eye(len(curvature), dtype=curvature.dtype)
         chol = torch.linalg.cholesky(0.5 * (curvature + curvature.T) + delta * eye)
         factor = torch.linalg.solve_triangular(chol, eye, upper=False).T
         return cls(mean, curvature, delta, factor=factor, chol=chol)
+
+    def label_blocks(self, num_labels: int) -> torch.Tensor:
+        """The diagonal blocks ``Σ_kk = G_k G_kᵀ`` ``[K, D, D]`` of a full ``Σ`` over ``K`` labels'
+        weight rows (``G_k`` = rows ``kD … (k+1)D − 1`` of ``G``); computed once per state."""
+        if self._blocks is None:
+            rows = self.factor.reshape(num_labels, -1, self.factor.shape[1])
+            self._blocks = rows @ rows.transpose(1, 2)
+        return self._blocks
 
     def solve(self, g: torch.Tensor) -> torch.Tensor:
         """``Σ g`` (``g`` shaped like the mean)."""
@@ -234,6 +295,11 @@ def natural_gradient_vi(
     residuals: dict = {}
     n = len(data)
     stochastic = minibatch is not None and minibatch < n
+    # φ̃ (and φ̃² for diag) converted once for all iterations, not per chunk and iteration, where the
+    # copies fit PREPARED_BYTES; minibatches are converted as they are drawn
+    copies = (2 if diag else 1) * n * (data.phi.shape[1] + 1) if data.last_layer else 0
+    if not stochastic and copies * work.itemsize <= PREPARED_BYTES:
+        data = data.in_dtype(work, squares=diag)
     order = torch.empty(0, dtype=torch.int64)
     for _ in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
@@ -245,10 +311,10 @@ def natural_gradient_vi(
         if stochastic:
             if len(order) < minibatch:
                 order = torch.cat([order, torch.randperm(n, generator=gen)])
-            batch, order = data.rows(order[:minibatch]), order[minibatch:]
+            batch, order = data.rows(order[:minibatch]).in_dtype(work, squares=diag), order[minibatch:]
         for sl in batch.chunks(batch_size):
             mean_b = batch.logit_mean(mean_w, sl)
-            cov_b = batch.logit_cov(view, sl)
+            cov_b = batch.logit_cov(view, sl, diagonal=bernoulli)
             if bernoulli:
                 e_ll, resid, lam = bernoulli_expectations(mean_b, cov_b, batch.labels[sl])
             else:
