@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -62,3 +63,26 @@ def test_select_by_nll_ties_go_to_the_first() -> None:
     p = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]])
     delta, _ = select_by_nll([3.0, 1.0, 2.0], lambda d: (p, torch.full((1, 2), d)), y)
     assert delta == 3.0
+
+
+def test_norm_gain_is_the_normalised_bridge_scale_of_the_means() -> None:
+    from seeds_glm import norm_gain
+
+    from bayescli.posterior.gaussian import LogitGaussian
+    from bayescli.predictive.dirichlet import laplace_bridge
+
+    gen = torch.Generator().manual_seed(1)
+    mean = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    var = torch.rand(5, 4, generator=gen, dtype=torch.float64) + 0.05
+    # diagonal Σ: the zero-sum correction gives Σ_kk − Σ_kk² / Σ_l Σ_ll (laplace-torch's form)
+    corrected = var - var.pow(2) / var.sum(-1, keepdim=True)
+    gains = (corrected.mean(-1) / math.sqrt(4 / 2)).rsqrt()
+    assert norm_gain(LogitGaussian(mean, var)) == pytest.approx(float(gains.median()), rel=1e-12)
+    # the gain is what separates the two corrections: μ/√c and Σ/c through eq. 7
+    mu = mean - var * mean.sum(-1, keepdim=True) / var.sum(-1, keepdim=True)
+    c = (1 / gains.pow(2))[:, None]
+    k = 4
+    alpha = (1 - 2 / k + (mu / c.sqrt()).exp() / k**2 * (-(mu / c.sqrt())).exp().sum(-1, keepdim=True)) / (
+        corrected / c
+    )
+    torch.testing.assert_close(laplace_bridge(mean, var, "norm"), alpha, rtol=1e-10, atol=0)
