@@ -48,14 +48,14 @@ def sigmoid_summary(model: torch.nn.Module, data) -> dict:  # noqa: ANN001 - a b
     return {"classes_present": present / len(data), "max_sigmoid": top / len(data)}
 
 
-def table(ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict]:
+def table(model: str, ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict]:
     """MAP vs Laplace vs MNVI on composed MNIST (rows of the README table)."""
     import bayescli
     from bayescli.data import load_data
     from bayescli.laplace_fit import PriorRule
     from bayescli.models import load_classifier
 
-    loaded = load_classifier("builtin:small-cnn", ckpt)
+    loaded = load_classifier(model, ckpt)
     train, val, test = (
         load_data(f"composed:mnist:test:{split}", root=mnist_root) for split in ("train", "val", "test")
     )
@@ -110,6 +110,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", type=Path, default=HERE.parent.parent / "shared")
+    ap.add_argument("--model", default="builtin:small-cnn", help="builtin:small-cnn or builtin:mlp")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--checkpoint", type=Path, default=None, help="reuse a checkpoint this script trained")
@@ -126,7 +127,7 @@ def main() -> None:
     if args.checkpoint is None:
         exe = shutil.which("bayescli") or str(Path(sys.executable).with_name("bayescli"))
         trained = subprocess.run(
-            [exe, "train", "--model", "builtin:small-cnn", "--likelihood", "bernoulli",
+            [exe, "train", "--model", args.model, "--likelihood", "bernoulli",
              "--data", "composed:mnist:test:train", "--data-root", str(mnist_root),
              "--epochs", str(args.epochs), "--out", str(ckpt), "--json"],
             check=True, capture_output=True, text=True,
@@ -138,7 +139,7 @@ def main() -> None:
     from bayescli.models import load_classifier
     from bayescli.training.classifier import multilabel_accuracy
 
-    model = load_classifier("builtin:small-cnn", ckpt).classifier.eval()
+    model = load_classifier(args.model, ckpt).classifier.eval()
     test = load_data("composed:mnist:test:test", root=mnist_root)
     ood = load_data(f"composed:idx:{notmnist}:test")
     per_label, subset = multilabel_accuracy(model, test, torch.device("cpu"))
@@ -149,7 +150,7 @@ def main() -> None:
         "notmnist_composed": {**sigmoid_summary(model, ood), "n": len(ood)},
     }
     if args.table:
-        result["table"] = table(ckpt, mnist_root, notmnist)
+        result["table"] = table(args.model, ckpt, mnist_root, notmnist)
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     if args.table:
