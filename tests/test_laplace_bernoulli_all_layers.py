@@ -13,9 +13,11 @@ import torch
 from oracles import autograd_jacobian
 from tolerance import assert_below, assert_close
 
+from bayescli import api
 from bayescli.classifier import Classifier
 from bayescli.data.base import ArrayData
 from bayescli.features import Features
+from bayescli.fitting import ModelOptions
 from bayescli.io import load_tensors
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior import network_curvature as nc
@@ -258,14 +260,18 @@ def multi_ckpt(tmp_path_factory):
 def test_cli_all_layer_diag_fit_selects_delta_no_worse_than_map_and_predicts(cli, multi_ckpt, tmp_path):
     post_path = tmp_path / "all.safetensors"
     args = ["--model", "builtin:mlp", "--checkpoint", multi_ckpt, "--data", "composed-digits:train"]
-    res = cli("fit-laplace", *args, "--subset", "all", "--hessian", "diag",
-              "--val-data", "composed-digits:val", "--out", post_path, "--json")  # fmt: skip
+    # no --val-data: the checkpoint records its validation set, which the default δ is chosen on
+    res = cli("fit-laplace", *args, "--subset", "all", "--hessian", "diag", "--out", post_path, "--json")
     assert res.code == 0, res.err
     tensors, meta = load_tensors(post_path)
     assert meta["likelihood"] == "bernoulli" and meta["subset"] == "all" and meta["hessian"] == "diag"
     assert tensors["mean"].numel() == tensors["curvature_diag"].numel() == 42_506
     sel = meta["selection"]
-    assert sel["validated"] and sel["criterion"] == "nll"
+    assert (
+        sel["validated"]
+        and sel["criterion"] == "nll"
+        and meta["validation_data"]["spec"] == "composed-digits:val"
+    )
     chosen = next(r for r in sel["curve"] if r["prior_precision"] == sel["chosen"])
     # the grid reaches the MAP limit, so the choice is never worse than MAP on validation; on this
     # overconfident net it is much better (0.150 against MAP's 0.214)
@@ -286,3 +292,16 @@ def test_cli_all_layer_diag_fit_selects_delta_no_worse_than_map_and_predicts(cli
     res = cli("predict", "--posterior", post_path, "--data", "composed-digits:test", "--link", "beta",
               "--limit", "20", "--json")  # fmt: skip
     assert res.code == 0, res.err
+
+
+def test_library_fit_laplace_diag_all_layers_and_predict(multi_ckpt):
+    loaded = ModelOptions("builtin:mlp", multi_ckpt).load()
+    post = api.fit(loaded, "composed-digits:train", "laplace-diag", subset="all", prior_precision=30.0)
+    assert (post.likelihood, post.subset.value, post.structure) == ("bernoulli", "all", "diag")
+    assert post.n_data == len(post.fit_data) and post.log_likelihood < 0
+    assert not post.meta["selection"]["validated"]
+    pred = post.predict("composed-digits:test", link="mc", samples=200)
+    assert pred.probs.shape == pred.per_label.mutual_information.shape == (len(pred.probs), 10)
+    assert (pred.logit_var > 0).all()
+    probit_pred = post.predict("composed-digits:test")
+    assert torch.equal(probit_pred.probs, probit(probit_pred.logit_mean, probit_pred.logit_var))
