@@ -58,7 +58,7 @@ class PriorRule(str, Enum):
 class LaplaceSettings:
     """Settings of a Laplace fit.
 
-    * ``subset``: ``last-layer`` (features) or ``all`` (every weight; diag or kron on small nets).
+    * ``subset``: ``last-layer`` (features) or ``all`` (every weight; diag, or full on small nets).
     * ``hessian``: curvature structure ``diag`` | ``kron`` | ``full``.
     * ``curvature``: ``ggn`` (exact), ``ggn-mc`` (one sampled label) or ``ef`` (empirical Fisher).
     * ``backend``: last-layer curvature engine (``auto``: closed form where it applies).

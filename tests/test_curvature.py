@@ -5,9 +5,10 @@ from oracles import autograd_jacobian, explicit_ggn, explicit_jacobian_head
 from tolerance import assert_below
 
 from bayescli.errors import BayescliError
-from bayescli.posterior.curvature import all_layer_curvature, last_layer_curvature
+from bayescli.posterior.curvature import last_layer_curvature
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.laplace import head_parameters
+from bayescli.posterior.network_curvature import all_layer_curvature
 
 N, D, K = 300, 6, 4
 
@@ -139,7 +140,7 @@ class _Concat(torch.nn.Module):
 
 
 def test_all_layer_diag_falls_back_to_jacobians_where_backpack_cannot_convert(monkeypatch):
-    from bayescli.posterior import curvature
+    from bayescli.posterior import network_curvature as curvature
 
     net = _Concat().double()
     x = torch.randn(40, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -185,14 +185,12 @@ def test_selection_scores_multilabel_data_per_label():
     assert_close(got["brier"], (probs - labels).pow(2).mean().item(), rtol=1e-12, what="per-label Brier")
 
 
-def test_bernoulli_curvature_refuses_all_layers_refinement_and_backpack(fitted):
+def test_bernoulli_curvature_refuses_refinement_and_backpack(fitted):
     from bayescli.posterior.laplace import fit_laplace
 
     phi, head, labels = fitted
     with pytest.raises(BayescliError, match="backend='backpack' has no multi-label"):
         LaplacePosterior.fit_last_layer(phi, labels, head, "kron", backend="backpack", likelihood="bernoulli")
-    with pytest.raises(BayescliError, match="subset='all' fits softmax classifiers only"):
-        fit_laplace(None, batches=[], subset="all", likelihood="bernoulli")
     with pytest.raises(BayescliError, match="refine_steps refines softmax posteriors only"):
         fit_laplace(None, phi, labels, refine_steps=3, likelihood="bernoulli")
 

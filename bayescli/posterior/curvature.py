@@ -24,16 +24,14 @@ Two backends give the same numbers for the last layer:
   512→1000 head here, against milliseconds for ``diag(Σp) − PᵀP``.
 
 ``auto`` (default) uses the closed form for ``ggn`` and ``ef`` and BackPACK for ``ggn-mc``.
-All-layer curvature always comes from BackPACK (diag) or per-input Jacobians (full).
+All-layer curvature (either likelihood) is in :mod:`bayescli.posterior.network_curvature`; the
+per-input Jacobians it and the all-layer predictives use come from :func:`network_jacobian`.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -321,121 +319,6 @@ def last_layer_curvature(
     return acc.finish()
 
 
-# ---------------------------------------------------------------------------------------------
-# all layers (small networks)
-# ---------------------------------------------------------------------------------------------
-
-
-def all_layer_curvature(
-    net: nn.Module,
-    inputs: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
-    structure: HessianStructure,
-    curvature: CurvatureType = CurvatureType.GGN,
-    seed: int = 0,
-) -> Curvature:
-    """Curvature over all parameters of ``net`` (``inputs`` already normalised, with labels).
-
-    ``diag`` uses BackPACK on ``extend(net, use_converter=True)``; ``full`` (≤ 20,000
-    parameters) sums ``J_nᵀ B_n J_n`` from per-input Jacobians (``torch.func``).
-    """
-    structure, curvature = HessianStructure(structure), CurvatureType(curvature)
-    if structure is HessianStructure.KRON:
-        raise BayescliError("all-layer kron is not supported; use subset='last-layer' or hessian='diag'")
-    n_params = sum(p.numel() for p in net.parameters())
-    if structure is HessianStructure.FULL and n_params > 20_000:
-        raise BayescliError(
-            f"subset='all' with hessian='full' needs ≤ 20,000 parameters; this network has {n_params:,}. "
-            "Use hessian='diag' or subset='last-layer'"
-        )
-    torch.manual_seed(seed)
-    gen = devices.generator(next(net.parameters()).device, seed)
-    if structure is HessianStructure.DIAG:
-        return _all_layer_diag_backpack(net, inputs, curvature, gen)
-    return _all_layer_full(net, inputs, curvature, gen)
-
-
-def _all_layer_diag_backpack(
-    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
-) -> Curvature:
-    """BackPACK's diagonal extensions; networks BackPACK cannot convert or extend (a ``torch.cat``
-    in SqueezeNet's Fire modules, hooks of output adapters) fall back to
-    :func:`_all_layer_diag_jacobian`, which gives the same diagonal from per-input Jacobians."""
-    from backpack import backpack, extend
-    from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
-
-    ext, field = {
-        CurvatureType.GGN: (DiagGGNExact, "diag_ggn_exact"),
-        CurvatureType.GGN_MC: (DiagGGNMC, "diag_ggn_mc"),
-        CurvatureType.EF: (SumGradSquared, "sum_grad_squared"),
-    }[curvature]
-    model = copy.deepcopy(net).eval()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = extend(model, use_converter=True)
-    except Exception:  # BackPACK/fx raise many types for graphs they cannot convert
-        return _all_layer_diag_jacobian(net, inputs, curvature, gen)
-    loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
-    total, n = None, 0
-    for x, y in inputs:
-        model.zero_grad()
-        out = model(x)
-        targets = y if y is not None else out.detach().argmax(1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                with backpack(ext()):
-                    loss_fn(out, targets).backward()
-            # BackPACK refuses unsupported modules with NotImplementedError and graphs its converter
-            # could not rewrite (a torch.cat of branches) with an AssertionError on the first backward
-            except (NotImplementedError, AssertionError):
-                if n:  # whatever BackPACK cannot handle, it cannot handle on the first batch
-                    raise
-                return _all_layer_diag_jacobian(net, itertools.chain([(x, y)], inputs), curvature, gen)
-        part = torch.cat([getattr(p, field).detach().reshape(-1) for p in model.parameters()])
-        total = part if total is None else total + part
-        n += len(x)
-    return Curvature(HessianStructure.DIAG, n, diag=total)
-
-
-# Per-input Jacobians held at once by the fallback: chunk × K × P floats.
-_JACOBIAN_FLOATS = 2**25
-
-
-def _all_layer_diag_jacobian(
-    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
-) -> Curvature:
-    """Diagonal GGN / MC-GGN / empirical Fisher over all parameters from per-input Jacobians.
-
-    ``diag(Jᵀ Λ J) = Σ_k (Jᵀ s_k)²`` with ``Λ = diag(p) − ppᵀ = S Sᵀ``, ``S = diag(√p) − p √pᵀ``
-    (``S Sᵀ = diag(p) − 2ppᵀ + pᵀ1·ppᵀ``); MC-GGN and EF square ``Jᵀ(p − e_y)`` with a sampled or
-    the true label. Exact like BackPACK's extensions, for any network ``torch.func`` can
-    differentiate; the Jacobians ``[n, K, P]`` are formed for chunks of inputs only.
-    """
-    n_params = sum(p.numel() for p in net.parameters())
-    total, n, chunk = None, 0, None
-    for x, y in inputs:
-        if chunk is None:
-            with torch.no_grad():
-                k = net(x[:1]).shape[1]
-            chunk = max(1, _JACOBIAN_FLOATS // (k * n_params))
-        for lo in range(0, len(x), chunk):
-            logits, jac = network_jacobian(net, x[lo : lo + chunk])
-            probs = logits.softmax(-1)
-            if curvature is CurvatureType.GGN:
-                root = torch.diag_embed(probs.sqrt()) - probs[:, :, None] * probs.sqrt()[:, None, :]
-                part = torch.einsum("nkp,nkl->nlp", jac, root).square().sum((0, 1))
-            else:
-                if curvature is CurvatureType.GGN_MC:
-                    labels = torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
-                else:
-                    labels = logits.argmax(1) if y is None else y[lo : lo + chunk]
-                part = torch.einsum("nk,nkp->np", _residual(probs, labels), jac).square().sum(0)
-            total = part if total is None else total + part
-        n += len(x)
-    return Curvature(HessianStructure.DIAG, n, diag=total)
-
-
 def network_jacobian(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits ``[N, K]`` and per-input Jacobians ``[N, K, P]`` w.r.t. all parameters of ``net``."""
     from torch.func import functional_call, jacrev, vmap
@@ -450,28 +333,3 @@ def network_jacobian(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
     with torch.no_grad():
         logits = net(x)
     return logits, flat
-
-
-def _all_layer_full(
-    net: nn.Module, inputs: Iterator, curvature: CurvatureType, gen: torch.Generator
-) -> Curvature:
-    total, n = None, 0
-    for x, y in inputs:
-        logits, jac = network_jacobian(net, x)
-        probs = logits.softmax(-1)
-        if curvature is CurvatureType.GGN:
-            lam = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
-            part = torch.einsum("nkp,nkl,nlq->pq", jac, lam, jac)
-        else:
-            labels = (
-                y
-                if curvature is CurvatureType.EF
-                else torch.multinomial(probs.double(), 1, generator=gen).squeeze(1)
-            )
-            if labels is None:
-                raise BayescliError("curvature='ef' needs labelled fitting data")
-            g = torch.einsum("nk,nkp->np", _residual(probs, labels), jac)
-            part = g.T @ g
-        total = part if total is None else total + part
-        n += len(x)
-    return Curvature(HessianStructure.FULL, n, full=total)

@@ -6,7 +6,7 @@ of the summed negative log-likelihood on the fitting data and ``δ`` an isotropi
 
 * ``categorical``: softmax cross-entropy, labels ``[N]`` (:mod:`bayescli.posterior.curvature`);
 * ``bernoulli``: a sigmoid per class with binary cross-entropy, multi-label ``[N, K]`` in
-  ``{0, 1}`` (:mod:`bayescli.posterior.bernoulli_curvature`; last layer only).
+  ``{0, 1}`` (:mod:`bayescli.posterior.bernoulli_curvature` for the last layer).
 
 Either way the fit yields the same weight Gaussians and ``log p(D | θ*)`` of that likelihood, so
 the marginal likelihood, δ and the logit Gaussians ``N(f, J Σ Jᵀ)`` need no case of their own.
@@ -14,7 +14,7 @@ the marginal likelihood, δ and the logit Gaussians ``N(f, J Σ Jᵀ)`` need no 
 * ``subset="last-layer"``: ``θ`` are the head's weights and bias ``W̃ [K, D+1]``; fitted on
   detached features, so the backbone runs once. Structures ``diag``, ``kron``, ``full``.
 * ``subset="all"``: every parameter of the network; ``diag`` (BackPACK ``DiagGGNExact``) or
-  ``full`` (≤ 20,000 parameters).
+  ``full`` (≤ 20,000 parameters), either likelihood (:mod:`bayescli.posterior.network_curvature`).
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from bayescli.errors import BayescliError
 from bayescli.models import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
-from bayescli.posterior.bernoulli_curvature import BernoulliCurvatureAccumulator
+from bayescli.posterior.bernoulli_curvature import BernoulliCurvatureAccumulator, bernoulli_log_likelihood
 from bayescli.posterior.curvature import (
     Backend,
     Curvature,
     CurvatureAccumulator,
     CurvatureType,
     HessianStructure,
-    all_layer_curvature,
     network_jacobian,
 )
 from bayescli.posterior.gaussian import (
@@ -52,6 +51,7 @@ from bayescli.posterior.gaussian import (
     WeightGaussian,
     augment,
 )
+from bayescli.posterior.network_curvature import all_layer_curvature
 from bayescli.posterior.prior import edge_warning, log_marglik, optimise_marglik
 from bayescli.posterior.refine import refine_mode
 
@@ -219,8 +219,10 @@ class LaplacePosterior(Posterior):
         structure: HessianStructure | str = HessianStructure.DIAG,
         curvature: CurvatureType | str = CurvatureType.GGN,
         seed: int = 0,
+        likelihood: str = "categorical",
     ) -> LaplacePosterior:
-        """Fit over all parameters of ``classifier.net`` on pixel-space ``batches`` (one pass).
+        """Fit over all parameters of ``classifier.net`` on pixel-space ``batches`` (one pass) of
+        inputs and labels ``[B]`` (``[B, K]`` in ``{0, 1}`` for ``likelihood="bernoulli"``) or ``None``.
 
         The batches are consumed as they come (the curvature is summed per batch); ``full``
         holds the ``[P, P]`` curvature its maths needs (P ≤ 20,000). No feature/head split is
@@ -245,10 +247,14 @@ class LaplacePosterior(Posterior):
                 else:
                     y = y.to(dev)
                     with torch.no_grad():
-                        log_lik["sum"] -= nn.functional.cross_entropy(net(xn).double(), y, reduction="sum")
+                        logits = net(xn).double()
+                    if likelihood == "bernoulli":
+                        log_lik["sum"] += bernoulli_log_likelihood(logits, y)
+                    else:
+                        log_lik["sum"] -= nn.functional.cross_entropy(logits, y, reduction="sum")
                 yield xn, y
 
-        curv = all_layer_curvature(net, normed(), structure, curvature, seed)
+        curv = all_layer_curvature(net, normed(), structure, curvature, seed, likelihood)
         mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         return cls(
             _gaussian(curv, mean, 1.0),
@@ -257,6 +263,7 @@ class LaplacePosterior(Posterior):
             False,
             curv.n_data,
             float(log_lik["sum"]) if log_lik["labelled"] else None,
+            likelihood=likelihood,
         )
 
     # -- prior --------------------------------------------------------------------------------
@@ -407,20 +414,13 @@ def fit_laplace(
     fitting points at once, so it holds every feature in memory (a stream is collected first).
 
     ``likelihood`` is the classifier's: ``categorical`` (labels ``[N]``) or ``bernoulli``
-    (multi-label ``[N, K]``; last layer, without refinement).
+    (multi-label ``[N, K]``; without refinement).
     """
     start = time.perf_counter()
     last_layer = Subset(subset) is Subset.LAST_LAYER
-    if likelihood == "bernoulli":
-        # BackPACK's BCEWithLogitsLoss takes one output per input, and refine_mode's objective is
-        # the softmax GLM's
-        if not last_layer:
-            raise BayescliError(
-                "subset='all' fits softmax classifiers only; use subset='last-layer' for this "
-                "multi-label (bernoulli) model"
-            )
-        if refine_steps > 0:
-            raise BayescliError("refine_steps refines softmax posteriors only; use refine_steps=0")
+    if likelihood == "bernoulli" and refine_steps > 0:
+        # refine_mode's objective is the softmax GLM's
+        raise BayescliError("refine_steps refines softmax posteriors only; use refine_steps=0")
     if last_layer and features is not None and refine_steps > 0:
         pairs = list(features)
         phi = torch.cat([p for p, _ in pairs])
@@ -434,7 +434,9 @@ def fit_laplace(
                 stream, classifier.head, structure, curvature, backend, batch_size, seed, mean, likelihood
             )
         else:
-            post = LaplacePosterior.fit_all_layers(classifier, batches, structure, curvature, seed)
+            post = LaplacePosterior.fit_all_layers(
+                classifier, batches, structure, curvature, seed, likelihood
+            )
         if prior_precision == "auto":
             post.optimise_prior_marglik()
         else:

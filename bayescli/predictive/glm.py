@@ -10,8 +10,10 @@
 
 A multi-label posterior (``likelihood == "bernoulli"``) has a sigmoid per class: its ``glm``
 predictive reads only the per-label logit means and variances ``[N, K]`` (the diagonal of
-``J Σ Jᵀ``, which the structures give without a per-input Jacobian) and maps each label through
-a sigmoid link (:mod:`bayescli.predictive.sigmoid_links`: ``none``, ``probit``, ``mc``, ``beta``).
+``J Σ Jᵀ``: for last-layer posteriors the structures give it without a per-input Jacobian,
+all-layer ones take the batched Jacobians the softmax all-layer predictive uses) and maps each
+label through a sigmoid link (:mod:`bayescli.predictive.sigmoid_links`: ``none``, ``probit``,
+``mc``, ``beta``).
 """
 
 from __future__ import annotations
