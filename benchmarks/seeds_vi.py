@@ -165,19 +165,26 @@ def load_split(shared: Path) -> dict[str, ArrayData]:
 # ---------------------------------------------------------------------------------------------
 
 
-def mnvi_row(quick: bool, shared: Path, model: str | None = None) -> dict:
+def mnvi_row(
+    quick: bool,
+    shared: Path,
+    model: str | None = None,
+    epochs: int | None = None,
+    kl_weights: tuple[float, ...] | None = None,
+) -> dict:
     """MNVI from scratch vs the deterministic net at [002]'s protocol (module doc).
 
     Quick: ``builtin:lenet`` (LeNet-5, 61k parameters), 10 epochs (lr drop at 5), κ/N fixed at the
-    paper's κ carried to N (no selection). Full: ``builtin:lenet-002`` (``model`` overrides it),
-    20 epochs, κ/N chosen on the validation NLL from the paper's κ and a decade either side."""
+    paper's κ carried to N (no selection). Full: ``builtin:lenet-002``, 20 epochs, κ/N chosen on
+    the validation NLL from the paper's κ and a decade either side. ``model``, ``epochs`` and
+    ``kl_weights`` override these (one κ/N: no selection)."""
     data = load_split(shared)
     train, val, test = data["train"], data["val"], data["test"]
     n = len(train)
     model = model or ("builtin:lenet" if quick else "builtin:lenet-002")
-    epochs = 10 if quick else 20
+    epochs = epochs or (10 if quick else 20)
     matched = kl_weight_at(n)
-    grid = (matched,) if quick else (matched / 10, matched, matched * 10)
+    grid = kl_weights or ((matched,) if quick else (matched / 10, matched, matched * 10))
     start = time.perf_counter()
     det, det_rec = train_deterministic(model, train, val, DeterministicConfig(epochs, milestone=epochs // 2))
     candidates = []
@@ -205,7 +212,8 @@ def mnvi_row(quick: bool, shared: Path, model: str | None = None) -> dict:
             f"{n:,} training images (paper 55,000), {len(test):,} test (paper 10,000); "
             f"{model.split(':')[1]} ({'' if model.endswith('lenet-002') else 'not the paper LeNet; '}"
             f"{epochs} epochs, "
-            f"{'κ fixed' if quick else 'κ/N and early stopping on 1,000 validation rows'}); one run (paper 4)"
+            f"{'κ fixed' if len(grid) == 1 else 'κ/N chosen'}, early stopping on 1,000 validation rows); "
+            "one run (paper 4)"
         ),
         # Held: at least half the paper's relative NLL gain at no more than 0.2 pp more error.
         "held": rel <= -0.165 and mn_s["err"] <= det_s["err"] + 0.2,
@@ -228,17 +236,19 @@ def fsvi_probs(
     return monte_carlo(head.logit_gaussian(phi), FSVI_SAMPLES, gen).probs
 
 
-def fsvi_rows(quick: bool, shared: Path, epochs: int | None = None) -> list[dict]:
+def fsvi_rows(
+    quick: bool, shared: Path, epochs: int | None = None, scales: tuple[float, ...] | None = None
+) -> list[dict]:
     """FSVI from scratch vs MAP: notMNIST AUROC (entropy) and in-distribution NLL/ECE. Quick: 3
     epochs at :data:`QUICK_SCALE`; full: 10 epochs (``epochs`` overrides it) for every
-    :data:`FSVI_SCALES`."""
+    :data:`FSVI_SCALES` (``scales`` overrides them; one value is used without selection)."""
     data = load_split(shared)
     train, val, test = data["train"], data["val"], data["test"]
     notmnist = shared / "data" / "notmnist" / "raw"
     require(notmnist.is_dir(), f"notMNIST not found under {notmnist.parent}; pass --shared DIR")
     ood = load_data(f"idx:{notmnist}[:5000]")
     epochs = epochs or (3 if quick else 10)
-    scales = (QUICK_SCALE,) if quick else FSVI_SCALES
+    scales = scales or ((QUICK_SCALE,) if quick else FSVI_SCALES)
     start = time.perf_counter()
     cpu = torch.device("cpu")
     map_clf, _ = train_classifier("builtin:small-cnn", train, None, TrainConfig(epochs=epochs), cpu)
@@ -260,8 +270,8 @@ def fsvi_rows(quick: bool, shared: Path, epochs: int | None = None) -> list[dict
     protocol = (
         f"MNIST→notMNIST (paper FashionMNIST→MNIST/notMNIST); {len(train):,} training images "
         f"(paper 54,000); small-cnn ≈ paper CNN (avg-pool to 4×4); Adam one-cycle {epochs} epochs "
-        f"(paper SGD cosine 30); c {'fixed' if quick else 'chosen'} on 1,000 validation rows "
-        "(paper: prior var., context, samples); one seed (paper 10)"
+        f"(paper SGD cosine 30); c {'fixed' if len(scales) == 1 else 'chosen on 1,000 validation rows'} "
+        "(the paper chose prior var., context, samples); one seed (paper 10)"
     )
     seconds = time.perf_counter() - start
     common = {"seed": "001 FSVI", "protocol": protocol, "seconds": seconds}
@@ -361,11 +371,20 @@ COLUMNS = ("seed", "where", "claim", "paper", "ours", "protocol", "held")
 
 def rows(quick: bool, shared: Path, only: tuple[str, ...] = tuple(CLAIMS), **budget) -> list[dict]:
     """One dict per claim (keys :data:`COLUMNS` plus ``seconds``); ``only`` picks claims;
-    ``budget`` (``mnvi_model``, ``fsvi_epochs``) shrinks a full run that does not fit."""
+    ``budget`` (``mnvi_model``, ``mnvi_epochs``, ``mnvi_kl_weights``, ``fsvi_epochs``,
+    ``fsvi_scales``) shrinks a full run that does not fit."""
     set_enabled(False)
     runners = {
-        "mnvi": lambda: [mnvi_row(quick, shared, budget.get("mnvi_model"))],
-        "fsvi": lambda: fsvi_rows(quick, shared, budget.get("fsvi_epochs")),
+        "mnvi": lambda: [
+            mnvi_row(
+                quick,
+                shared,
+                budget.get("mnvi_model"),
+                budget.get("mnvi_epochs"),
+                budget.get("mnvi_kl_weights"),
+            )
+        ],
+        "fsvi": lambda: fsvi_rows(quick, shared, budget.get("fsvi_epochs"), budget.get("fsvi_scales")),
         "dirichlet": lambda: [dirichlet_row(quick, shared)],
     }
     return [row for name in only for row in runners[name]()]
@@ -387,14 +406,25 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CLAIMS), help=f"comma-separated subset of {', '.join(CLAIMS)}")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--mnvi-model", default=None, help="MNVI network (full default builtin:lenet-002)")
+    ap.add_argument("--mnvi-epochs", type=int, default=None, help="MNVI and baseline epochs (full 20)")
+    ap.add_argument("--mnvi-kl-weights", default=None, help="comma-separated κ/N (one: no selection)")
     ap.add_argument("--fsvi-epochs", type=int, default=None, help="FSVI and MAP epochs (full default 10)")
+    ap.add_argument("--fsvi-scales", default=None, help="comma-separated prior scales c (one: no selection)")
     args = ap.parse_args()
     only = tuple(args.only.split(","))
     unknown = set(only) - set(CLAIMS)
     if unknown:
         sys.exit(f"--only: unknown claim(s) {', '.join(sorted(unknown))}; choose from {', '.join(CLAIMS)}")
     start = time.perf_counter()
-    table = rows(args.quick, args.shared, only, mnvi_model=args.mnvi_model, fsvi_epochs=args.fsvi_epochs)
+    floats = lambda text: tuple(float(v) for v in text.split(",")) if text else None  # noqa: E731
+    budget = {
+        "mnvi_model": args.mnvi_model,
+        "mnvi_epochs": args.mnvi_epochs,
+        "mnvi_kl_weights": floats(args.mnvi_kl_weights),
+        "fsvi_epochs": args.fsvi_epochs,
+        "fsvi_scales": floats(args.fsvi_scales),
+    }
+    table = rows(args.quick, args.shared, only, **budget)
     print(markdown(table))
     print(f"\n{'quick' if args.quick else 'full'} run: {time.perf_counter() - start:.0f} s, "
           f"torch threads {torch.get_num_threads()}; per claim: "
