@@ -69,11 +69,9 @@ def evaluate(predict, test) -> dict[int, tuple[float, float, float]]:
     return out
 
 
-def run_seed(train, test, epochs: int, seed: int, matched: float) -> dict[str, dict]:
-    """Every row's per-angle (accuracy, LL, ECE) for one seed."""
-    n = len(train)
-    results: dict[str, dict] = {}
-    runs = [
+def all_runs(matched: float) -> list[tuple[str, str, float]]:
+    """The script's rows as (name, family, τ): weight space (τ = 0), τ = 1 and τ = ``matched``."""
+    return [
         ("MAP", "map", 0.0),
         ("MAP-fVI", "map", 1.0),
         (f"MAP-fVI τ={matched:.3f}", "map", matched),
@@ -81,6 +79,22 @@ def run_seed(train, test, epochs: int, seed: int, matched: float) -> dict[str, d
         ("Ens-fVI(5)", "ensemble", 1.0),
         (f"Ens-fVI(5) τ={matched:.3f}", "ensemble", matched),
     ]
+
+
+def run_seed(
+    train,
+    test,
+    epochs: int,
+    seed: int,
+    matched: float,
+    runs: list[tuple[str, str, float]] | None = None,
+    smoothing: bool = True,
+) -> dict[str, dict]:
+    """Every row's per-angle (accuracy, LL, ECE) for one seed; ``runs`` (default
+    :func:`all_runs`) picks the trained rows, ``smoothing`` adds the label-smoothing rows."""
+    n = len(train)
+    results: dict[str, dict] = {}
+    runs = all_runs(matched) if runs is None else runs
     gen = torch.Generator().manual_seed(seed)
     for name, family, tau in runs:
         cfg = DirichletFVIConfig(
@@ -95,12 +109,31 @@ def run_seed(train, test, epochs: int, seed: int, matched: float) -> dict[str, d
 
         results[name] = evaluate(predict, test)
         print(f"  seed {seed}: trained {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    for tau in (1.0, matched):
+    for tau in (1.0, matched) if smoothing else ():
         c = tau * 256 / n
         cfg = DirichletFVIConfig(epochs=epochs, batch_size=256, lr=1e-3, seed=seed)
         clf = label_smoothing(train, tau, cfg)
         results[f"LS ε={10 * c / (1 + 10 * c):.3f}"] = evaluate(lambda x, clf=clf: clf(x).softmax(-1), test)
     return results
+
+
+def pattern(per_seed: list[dict[str, dict]], fvi: str, base: str) -> dict[str, tuple[float, float]]:
+    """Row ``fvi`` − row ``base`` of :func:`run_seed`'s results: Δaccuracy at 0° (pp), ΔLL at 0°
+    and averaged over 60°, 90°, 120°, ΔECE at 0° and averaged over the angles beyond 60°; each
+    as (mean, SD) over the seeds (SD 0 for one seed)."""
+    far = [a for a in ANGLES if a > 60]
+    stats = {
+        "Δacc(0°) pp": lambda f, b: 100 * (f[0][0] - b[0][0]),
+        "ΔLL(0°)": lambda f, b: f[0][1] - b[0][1],
+        "ΔLL(60–120°)": lambda f, b: sum(f[a][1] - b[a][1] for a in (60, 90, 120)) / 3,
+        "ΔECE(0°)": lambda f, b: f[0][2] - b[0][2],
+        "ΔECE(>60°)": lambda f, b: sum(f[a][2] - b[a][2] for a in far) / len(far),
+    }
+    out = {}
+    for label, fn in stats.items():
+        vals = torch.tensor([fn(r[fvi], r[base]) for r in per_seed], dtype=torch.float64)
+        out[label] = (float(vals.mean()), float(vals.std()) if len(vals) > 1 else 0.0)
+    return out
 
 
 def main() -> None:
@@ -132,21 +165,12 @@ def main() -> None:
         for name in names:
             print(f"{name:<22}" + "".join(f"{mean[name][a][col]:9.4f}" for a in ANGLES))
     print("\npattern (fVI − weight space), mean ± SD over seeds:")
-    far = [a for a in ANGLES if a > 60]
-    stats = {
-        "Δacc(0°) pp": lambda f, b: 100 * (f[0][0] - b[0][0]),
-        "ΔLL(0°)": lambda f, b: f[0][1] - b[0][1],
-        "ΔLL(60–120°)": lambda f, b: sum(f[a][1] - b[a][1] for a in (60, 90, 120)) / 3,
-        "ΔECE(0°)": lambda f, b: f[0][2] - b[0][2],
-        "ΔECE(>60°)": lambda f, b: sum(f[a][2] - b[a][2] for a in far) / len(far),
-    }
     for fvi, base in (("MAP-fVI", "MAP"), ("Ens-fVI(5)", "Ens(5)")):
         for tag in ("", f" τ={matched:.3f}"):
-            cells = []
-            for label, fn in stats.items():
-                vals = torch.tensor([fn(r[fvi + tag], r[base]) for r in per_seed], dtype=torch.float64)
-                sd = float(vals.std()) if len(vals) > 1 else 0.0
-                cells.append(f"{label} {float(vals.mean()):+.3f}±{sd:.3f}")
+            cells = [
+                f"{label} {mean:+.3f}±{sd:.3f}"
+                for label, (mean, sd) in pattern(per_seed, fvi + tag, base).items()
+            ]
             print(f"  {fvi + tag:<20} " + "  ".join(cells))
     print(f"\ntotal {time.perf_counter() - start:.0f} s, torch threads {torch.get_num_threads()}")
 
