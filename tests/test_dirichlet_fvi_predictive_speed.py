@@ -13,12 +13,14 @@ from tolerance import assert_close
 from bayescli.dirichlet import _VECTORISED_STEPS, digamma_gaps, fit_precision_vectorised
 from bayescli.options import Subset
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (
+    MINKA_CHUNK_ELEMENTS,
     DirichletFVIPosterior,
     normalised_means,
     sample_means,
 )
 
 GAMMA = 1e-4
+MINKA_ROWS = MINKA_CHUNK_ELEMENTS // 1000  # rows per Minka/bridge block at K = 1000
 
 
 def old_sample_means(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +148,9 @@ def test_predictive_alpha_is_the_old_algorithms(members):
     w = torch.randn(k, d, generator=gen) / d**0.5 * 3
     noise = torch.randn(members, k, d, generator=gen)
     phi = torch.randn(90, d, generator=gen).relu()
-    phi[60:] *= 10  # overconfident rows: most classes under the smoothing floor γ/K
+    # overconfident rows (most classes under the smoothing floor γ/K) interleaved with the others, so
+    # that each of the Minka/bridge blocks (65 rows at K = 1000) holds rows with interior z
+    phi[::3] *= 10
     for spread in (0.5, 0.2, 0.02, 1e-6):
         params = {"weight": w + spread * noise, "bias": torch.zeros(members, k)}
         post = DirichletFVIPosterior(
@@ -163,3 +167,6 @@ def test_predictive_alpha_is_the_old_algorithms(members):
         log_ref = ref.log()
         assert_close(lg.mean, log_ref - log_ref.mean(-1, keepdim=True), atol=1e-6, what="bridge means")
         assert math.isclose(float(post.alpha_features(phi).sub(lg.alpha).abs().max()), 0.0)
+        if members > 1 and spread == 0.2:  # interior z in the second block too
+            z = lg.alpha[MINKA_ROWS:].sum(-1)
+            assert bool(((z > 1.01 * k) & (z < 0.99 * n_data)).any())
