@@ -278,46 +278,60 @@ def minka_iterate(
 # ψ(y) − ln y + 1/(2y) = −Σ_j c_j y^(−2j) with c_j = B_2j/(2j), and ψ₁(y) − 1/y − 1/(2y²) = Σ_j B_2j y^(−2j−1)
 _PSI_SERIES = (1 / 12, -1 / 120, 1 / 252, -1 / 240, 1 / 132, -691 / 32760)
 _TRIGAMMA_SERIES = (1 / 6, -1 / 30, 1 / 42, -1 / 30)
-# (shift, ψ terms, ψ₁ terms, dtype) of fit_precision_vectorised's Newton steps after Stirling's start: a rough
-# float32 step (g to ≈ 1e−3 relative, from ≈ 30 % to ≈ 1e−2), an accurate float32 one (≈ 1e−6, the
-# float32 floor) and a float64 one (g to ≈ 1e−10: z to ≈ 1e−10; ψ₁ only sets the step length)
-_VECTORISED_STEPS = ((2, 1, 2, torch.float32), (4, 3, 3, torch.float32), (6, 6, 4, torch.float64))
+# (shift, ψ terms, ψ₁ terms, dtype) of fit_precision_vectorised's Newton steps after Stirling's start, with
+# digamma_gaps' worst relative errors over x in [1e−6, 1e6] (mpmath): a rough float32 step (g, h 1.5e−3:
+# z from ≈ 30 % to ≈ 1e−2), an accurate float32 one (g 1.1e−5, h 2.2e−4: z to float32's ≈ 1e−5) and a
+# float64 one (g 4e−11; h 3e−5 sets only the step length: z to ≈ 2e−10); the fewest passes measured to
+# do so (a rougher float32 pair leaves rows to the exact loop).
+_VECTORISED_STEPS = ((1, 1, 1, torch.float32), (2, 2, 1, torch.float32), (4, 6, 1, torch.float64))
 
 
-def _series(ry2: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """``Σ_j c_j ry2^j`` (``j ≥ 1``) by Horner's rule, a new tensor of ``ry2``'s shape."""
-    out = ry2 * coefficients[-1]
-    for c in reversed(coefficients[:-1]):
-        out.add_(c).mul_(ry2)
-    return out
+def _series(ry2: torch.Tensor, coefficients: tuple[float, ...], out: torch.Tensor) -> torch.Tensor:
+    """``Σ_j c_j ry2^j`` (``j ≥ 1``) by Horner's rule, into ``out`` (``ry2``'s shape): one pass a
+    term (``c + s·ry2`` as one ``addcmul`` with ``c`` as a 0-dim tensor)."""
+    if len(coefficients) == 1:
+        return torch.mul(ry2, coefficients[0], out=out)
+
+    def scalar(c: float) -> torch.Tensor:
+        return torch.full((), c, dtype=ry2.dtype, device=ry2.device)
+
+    torch.add(scalar(coefficients[-2]), ry2, alpha=coefficients[-1], out=out)
+    for c in reversed(coefficients[:-2]):
+        torch.addcmul(scalar(c), out, ry2, out=out)
+    return out.mul_(ry2)
 
 
 def digamma_gaps(
-    x: torch.Tensor, shift: int, psi_terms: int, trigamma_terms: int
+    x: torch.Tensor,
+    shift: int,
+    psi_terms: int,
+    trigamma_terms: int,
+    work: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g = ψ(x) − ln x`` and ``h = ψ₁(x) − 1/x`` for ``x > 0`` (any shape, ``x``'s dtype).
 
-    ``torch.digamma``/``polygamma`` are scalar loops (a float64 digamma over ``[N, K]`` costs ~10
-    vectorised passes); this is ~40 vectorised passes with one ``log1p``: the recurrences
+    ``torch.digamma``/``polygamma`` are scalar loops (a float64 digamma over ``[N, K]`` costs ~50
+    vectorised passes); this is ~30 in-place vectorised passes with one ``log1p``: the recurrences
     ``ψ(x) = ψ(x + n) − Σ_{i<n} 1/(x + i)`` (the same for ``ψ₁`` with squares) to ``y = x + shift``,
     then ``psi_terms``/``trigamma_terms`` terms of the asymptotic series at ``y``. Minka wants the gaps,
     not ``ψ``, ``ψ₁``: summed over ``ᾱ`` they carry no ``ln z``/``1/z`` that cancels (module's
-    :func:`fit_precision_vectorised`), and ``ψ₁(y) − 1/x = −shift/(xy) + …`` is formed without
-    the cancellation of ``1/y − 1/x`` at large ``x``.
+    :func:`fit_precision_vectorised`); ``ln(y/x) = log1p(shift/x)`` keeps ``g ≈ −1/(2x)`` accurate
+    to relative rounding at large ``x``, and ``ψ₁(y) − 1/x = −shift/(xy) + …`` is formed without
+    the cancellation of ``1/y − 1/x``. ``work``: five scratch tensors of ``x``'s shape and dtype
+    (overwritten; ``g`` and ``h`` are the last two), so that repeated calls allocate nothing — a
+    fresh temporary costs ~3 in-place passes (page faults and cold cache lines).
     """
-    r = x.reciprocal()
-    y = x + shift
-    ry = y.reciprocal()
-    ry2 = ry * ry
+    r, ry, ry2, g, h = work if work is not None else [torch.empty_like(x) for _ in range(5)]
+    torch.reciprocal(x, out=r)
+    torch.add(x, shift, out=ry).reciprocal_()
+    torch.mul(ry, ry, out=ry2)
     # g = ln(y/x) + (ψ(y) − ln y) − Σ_{i<shift} 1/(x+i);  h = (ψ₁(y) − 1/x) + Σ_{i<shift} 1/(x+i)²
-    # ln(1 + shift/x) by log, not log1p (a scalar loop in torch, 5× slower): its rounding, ulp(1)
-    # absolute, is below float32's own floor and 1e−16 in float64
-    g = torch.mul(r, shift).add_(1).log_().sub_(_series(ry2, _PSI_SERIES[:psi_terms]))
-    g.sub_(ry, alpha=0.5).sub_(r)
-    h = _series(ry2, _TRIGAMMA_SERIES[:trigamma_terms]).mul_(ry).add_(ry2, alpha=0.5)
+    _series(ry2, _PSI_SERIES[:psi_terms], g).add_(ry, alpha=0.5).add_(r)
+    torch.sub(torch.mul(r, shift, out=h).log1p_(), g, out=g)
+    _series(ry2, _TRIGAMMA_SERIES[:trigamma_terms], h).mul_(ry).add_(ry2, alpha=0.5)
     h.addcmul_(r, ry, value=-shift).addcmul_(r, r)
     for i in range(1, shift):
-        r = (x + i).reciprocal_()
+        torch.add(x, i, out=r).reciprocal_()
         g.sub_(r)
         h.addcmul_(r, r)
     return g, h
@@ -332,6 +346,7 @@ def fit_precision_vectorised(
     max_precision: float,
     max_iter: int = 100,
     tol: float = 5e-4,
+    workspace: dict[torch.dtype, list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """:func:`fit_precision`'s root ``z [N]`` for ``ᾱ``, ``ln ᾱ`` and ``ᾰ`` (``[N, K]``, float64) with
     vectorised special functions (:func:`digamma_gaps`) instead of ``torch.digamma``/``polygamma``.
@@ -339,39 +354,55 @@ def fit_precision_vectorised(
     With ``Σ ᾱ_k = 1`` Minka's ``Δ₁ = g(z) − Σ ᾱ_k g(zᾱ_k) + Σ ᾱ_k (ᾰ_k − ln ᾱ_k)`` and
     ``Δ₂ = h(z) − Σ ᾱ_k² h(zᾱ_k)`` (``g = ψ − ln``, ``h = ψ₁ − 1/x``): the same Newton step on ``1/z``
     from the same Stirling start, but the ``ln z`` and ``1/z`` that cancel in ``ψ``'s form are never
-    formed, so a float32 step lands within float32's ``≈ 1e−6`` of the root. The steps
+    formed, so a float32 step lands within float32's ``≈ 1e−5`` of the root. The steps
     (``_VECTORISED_STEPS``): a rough and an accurate float32 one, then one in float64 (``g`` to
     ``1e−10``); rows whose float64 step still moved ``z`` by more than ``tol`` (relative; Newton's
     next step would then be ``≈ 0.05·tol²``) go on with :func:`minka_iterate`'s exact steps.
-    ``num_samples = 1`` gives the upper bound (as :func:`fit_precision`). Returns ``z`` (float64)
-    and the exact iterations the slowest row needed after the vectorised steps (0 typically).
+    ``num_samples = 1`` gives the upper bound (as :func:`fit_precision`). ``workspace``: a dict the
+    caller keeps across calls on row blocks (scratch tensors, reused while ``N`` fits and ``K`` is
+    the same, so that the blocks allocate nothing); ``None`` allocates per call. Returns ``z``
+    (float64) and the exact iterations the slowest row needed after the vectorised steps (0 typically).
     """
     n, k = a_bar.shape
     lo, hi = float(min_precision), float(max_precision)
     if num_samples == 1:
         return torch.full((n,), hi, dtype=torch.float64, device=a_bar.device), 0
-    cross = (a_bar * a_log).sum(-1)
-    spread = cross - (a_bar * log_a_bar).sum(-1)  # Σ ᾱ_k (ᾰ_k − ln ᾱ_k) ≤ 0 (Jensen)
+    if workspace is None:
+        workspace = {}
+    views = {}
+    for dtype in dict.fromkeys(step[-1] for step in _VECTORISED_STEPS):
+        buffers = workspace.get(dtype)
+        if buffers is None or buffers[0].shape[0] < n or buffers[0].shape[1] != k + 1:
+            # ᾱ, ᾱ², x = zᾱ and digamma_gaps' five
+            buffers = workspace[dtype] = [a_bar.new_empty(n, k + 1, dtype=dtype) for _ in range(8)]
+        ab, ab_sq, *_ = views[dtype] = [t[:n] for t in buffers]
+        # z itself rides along as a last column (ᾱ = 1) so that each step is one pass of
+        # elementwise ops (at ~2 µs a dispatch, a pass over [N] costs as much as the [N, K] work)
+        ab[:, :k] = a_bar
+        ab[:, k] = 1
+        torch.mul(ab, ab, out=ab_sq)
+    # Σ ᾱ_k (ᾰ_k − ln ᾱ_k) ≤ 0 (Jensen), summed as one difference: no cancellation of two sums
+    scratch = views[torch.float64][2][:, :k]  # x's buffer, free until the float64 step
+    spread = torch.sub(a_log, log_a_bar, out=scratch).mul_(a_bar).sum(-1)
     # Stirling's start, as stirling_precision, from the same sum
     denom = -2 * spread
     z = torch.where(denom > 0, (k - 1) / denom.clamp_min(1e-300), torch.full_like(denom, hi)).clamp(lo, hi)
-    # z itself rides along as a last column (ᾱ = 1) so that each step is one pass of elementwise
-    # ops (at ~2 µs a dispatch, a second pass over [N] would cost as much as the [N, K] work)
-    ones = torch.ones(n, 1, dtype=a_bar.dtype, device=a_bar.device)
-    a_ext = torch.cat([a_bar, ones], 1)
     for shift, psi_terms, trigamma_terms, dtype in _VECTORISED_STEPS:
-        ab = a_ext.to(dtype)
-        g, h = digamma_gaps(z.to(dtype)[:, None] * ab, shift, psi_terms, trigamma_terms)
+        ab, ab_sq, x, *work = views[dtype]
+        torch.mul(ab, z.to(dtype)[:, None], out=x)
+        g, h = digamma_gaps(x, shift, psi_terms, trigamma_terms, work)
         # Δ₁ = g(z) − Σ ᾱ_k g(zᾱ_k) + spread, Δ₂ = h(z) − Σ ᾱ_k² h(zᾱ_k)
         g.mul_(ab)
-        h.mul_(ab).mul_(ab)
+        h.mul_(ab_sq)
         d1 = (2 * g[:, k] - g.sum(-1)).double() + spread
         d2 = (2 * h[:, k] - h.sum(-1)).double()
         z_prev, z = z, minka_step(z, d1, d2, lo, hi)
     moving = ((z - z_prev).abs() > tol * z_prev).nonzero().squeeze(1)
     if not moving.numel():
         return z, 0
-    z[moving], iterations = minka_iterate(z[moving], a_bar[moving], cross[moving], lo, hi, tol, max_iter)
+    a_moving = a_bar[moving]
+    cross = (a_moving * a_log[moving]).sum(-1)
+    z[moving], iterations = minka_iterate(z[moving], a_moving, cross, lo, hi, tol, max_iter)
     return z, iterations
 
 

@@ -12,7 +12,7 @@ Carlo KL between the posterior Dirichlet estimated from the samples and the prio
     KL_s = (1/M) Σ_m [ln Dir(f̃_s⁽ᵐ⁾ | sg(α_s)) − ln Dir(f̃_s⁽ᵐ⁾ | β)],   f̃ = (1 − γ) f + γ/K, γ = 1e−4.
 
 ``α_s = z_s ᾱ_s``: ``ᾱ_s`` the mean of the ``f̃_s⁽ᵐ⁾``, ``z_s`` Minka's fixed-mean precision (eq. 5,
-App. F; :func:`~bayescli.posterior.vi.dirichlet_fvi_objective.fit_precision_fast`) clamped to
+App. F; :func:`~bayescli.dirichlet.fit_precision_vectorised`) clamped to
 ``[K, N]``, ``z = N`` for ``M = 1``; ``α`` is held constant (stop-gradient), so gradients flow
 through the samples only. The objective lives in :mod:`~bayescli.posterior.vi.dirichlet_fvi_objective`,
 the families' samplers in :mod:`~bayescli.posterior.vi.dirichlet_fvi_samples`.

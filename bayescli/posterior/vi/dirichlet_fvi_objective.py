@@ -4,8 +4,8 @@
 
 Per minibatch ``ℓ = (1/B) Σ_b (1/M) Σ_m −ln f⁽ᵐ⁾_{y_b}(x_b) + (τ/N) Σ_{s∈S} KL_s`` with eq. 6's
 Monte Carlo KL between the Dirichlet fitted to the samples (Minka's fixed-mean precision,
-:func:`fit_precision_fast`, held constant) and the prior ``Dir(β)``; :func:`optimise` runs Adam
-over seeded minibatches of it.
+:func:`~bayescli.dirichlet.fit_precision_vectorised`, held constant) and the prior ``Dir(β)``;
+:func:`optimise` runs Adam over seeded minibatches of it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bayescli.dirichlet import minka_iterate, minka_step, stirling_precision
+from bayescli.dirichlet import fit_precision_vectorised
 from bayescli.errors import BayescliError, require
 from bayescli.progress import track
 
@@ -25,9 +25,7 @@ if TYPE_CHECKING:
     from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
 
 GAMMA = 1e-4  # label smoothing inside the KL [000:F]
-MINKA_MAX_ITER = 50  # VI-SPEC A6.3: the seed saw up to 1172 iterations; 3 is typical
-MINKA_CHEAP_STEPS = 2  # float32 Newton steps with _psi_approx before the exact ones (start ≈ 1.5e-4 off)
-MINKA_STOP = 5e-4  # exact steps stop once |Δz| ≤ this·z: the next would move z by ≈ 0.05·this²
+MINKA_MAX_ITER = 50  # VI-SPEC A6.3: the seed saw up to 1172 iterations; 0 exact ones are typical
 
 
 def parse_beta(beta: float | str, num_classes: int) -> torch.Tensor:
@@ -57,59 +55,6 @@ def smoothed_samples(logits: torch.Tensor, gamma: float = GAMMA) -> tuple[torch.
     return ft, ft.log()
 
 
-def _psi_approx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cheap ``ψ(x)`` and ``ψ₁(x)`` for ``x > 0``: two steps of the recurrence, then
-    ``ψ(y) ≈ ln(y − ½) + 1/(24(y − ½)²)`` at ``y = x + 2`` (absolute error ≤ 1.3e−3 in ``ψ``; the
-    derivative of the same expression for ``ψ₁``). A dozen elementwise passes instead of the
-    scalar series of ``torch.digamma``/``polygamma``; only Minka's starting point uses it."""
-    y = x + 1.5
-    ry = y.reciprocal()
-    ry2 = ry * ry
-    r0 = x.reciprocal()
-    r1 = (x + 1).reciprocal_()
-    psi = y.log_().add_(ry2, alpha=1 / 24).sub_(r0).sub_(r1)
-    psi1 = ry.sub_(ry2 * ry, alpha=1 / 12).addcmul_(r0, r0).addcmul_(r1, r1)
-    return psi, psi1
-
-
-def fit_precision_fast(
-    a_bar: torch.Tensor,
-    log_a_bar: torch.Tensor,
-    a_log: torch.Tensor,
-    num_samples: int,
-    min_precision: float,
-    max_precision: float,
-    max_iter: int = MINKA_MAX_ITER,
-) -> tuple[torch.Tensor, int]:
-    """:func:`bayescli.dirichlet.fit_precision`'s root ``z [N]`` (within 1e−7 relative) for
-    ``ᾱ``, ``ln ᾱ`` and ``ᾰ`` (``[N, K]``, float64), with fewer ``ψ``/``ψ₁`` evaluations.
-
-    The same Newton step on ``1/z`` (eqs. 29–31) from the same Stirling start, but (1)
-    ``MINKA_CHEAP_STEPS`` steps first use :func:`_psi_approx` in float32 (≈ 1.5e−4 from the root
-    instead of Stirling's 30 %); (2) exact steps (``ψ`` in float64, ``ψ₁`` — which sets only the
-    step length, not the root — in float32) stop once a step moves ``z`` by ≤ ``MINKA_STOP``
-    relative: Newton's next step would be ``≈ c·MINKA_STOP²`` with ``c ≈ 0.05`` measured (≤ 1e−8),
-    so the old rule's confirming iteration (|Δz| ≤ 1e−5) is not paid. Typically 1 exact
-    iteration instead of 3. Returns ``z`` and the exact iterations of the slowest row.
-    """
-    n = a_bar.shape[0]
-    lo, hi = float(min_precision), float(max_precision)
-    if num_samples == 1:
-        return torch.full((n,), hi, dtype=torch.float64, device=a_bar.device), 0
-    cross = (a_bar * a_log).sum(-1)  # Σ ᾱ_k ᾰ_k, constant over the iterations
-    z = stirling_precision(a_bar, a_log, log_a_bar, lo, hi)
-    ab32 = a_bar.float()
-    ab32_sq = ab32.square()
-    for _ in range(MINKA_CHEAP_STEPS):
-        zf = z.float()
-        psi, psi1 = _psi_approx(zf[:, None] * ab32)
-        psi_z, psi1_z = _psi_approx(zf)
-        d1 = (psi_z - (ab32 * psi).sum(-1)).double() + cross
-        d2 = (psi1_z - (ab32_sq * psi1).sum(-1)).double()
-        z = minka_step(z, d1, d2, lo, hi)
-    return minka_iterate(z, a_bar, cross, lo, hi, MINKA_STOP, max_iter, torch.float32)
-
-
 @torch.no_grad()
 def alpha_and_log_mean(
     mean_ft: torch.Tensor, mean_log_ft: torch.Tensor, m: int, max_precision: float
@@ -119,7 +64,9 @@ def alpha_and_log_mean(
     a_bar = a_bar / a_bar.sum(-1, keepdim=True)
     log_a_bar = a_bar.log()
     k = a_bar.shape[-1]
-    z, iterations = fit_precision_fast(a_bar, log_a_bar, mean_log_ft.double(), m, k, max_precision)
+    z, iterations = fit_precision_vectorised(
+        a_bar, log_a_bar, mean_log_ft.double(), m, k, max_precision, MINKA_MAX_ITER
+    )
     return z[:, None] * a_bar, log_a_bar, iterations
 
 
@@ -131,8 +78,8 @@ def posterior_alpha(
 
     ``ᾱ`` = mean ``f̃``, ``ᾰ`` = mean ``ln f̃`` (averaged in the samples' dtype: float32 rounding,
     ≲ 1e−6 in ``ᾰ``, is far below the Monte Carlo error of an ``M``-sample estimate);
-    ``z ∈ [K, max_precision]`` in float64 (:func:`fit_precision_fast`), ``= max_precision`` for
-    ``M = 1`` [000:F].
+    ``z ∈ [K, max_precision]`` in float64 (:func:`~bayescli.dirichlet.fit_precision_vectorised`),
+    ``= max_precision`` for ``M = 1`` [000:F].
     """
     alpha, _, iterations = alpha_and_log_mean(mean_ft, mean_log_ft, m, max_precision)
     return alpha, iterations

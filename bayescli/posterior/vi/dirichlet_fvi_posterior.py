@@ -32,14 +32,19 @@ from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits, network_log
 
 FULL_COV_MAX_CLASSES = 64  # above this, the logit Gaussian carries diag Σ only
 PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per predictive matmul
-CACHE_CHUNK_ELEMENTS = 1 << 19  # the same per elementwise pass (fits in L2/L3; measured best)
+CACHE_CHUNK_ELEMENTS = 1 << 19  # the same per sample-means pass (fits in L2/L3; measured best)
+MINKA_CHUNK_ELEMENTS = 1 << 16  # inputs × classes per Minka/bridge pass (float64, in L2)
 INPUT_CHUNK_IMAGES = 2048  # images per network pass (all samples) in whole-network predictives
 
 
 @torch.no_grad()
-def sample_means(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ᾱ``, ``ln ᾱ`` and ``ᾰ`` (``[N, K]``, float64) of the smoothed samples ``f̃ = (1 − γ) softmax +
-    γ/K`` of ``logits [N, M, K]``: ``ᾱ`` the normalised mean of ``f̃``, ``ᾰ`` the mean of ``ln f̃``.
+def sample_means(
+    logits: torch.Tensor, gamma: float, out: torch.Tensor | None = None, work: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The means over members of the smoothed samples ``f̃ = (1 − γ) softmax + γ/K`` and of ``ln f̃``
+    for ``logits [N, M, K]``: ``[2, N, K]`` (float64; ``ᾰ`` is row 1; row 0 is the unnormalised
+    ``ᾱ``, :func:`normalised_means` finishes it), written into ``out`` if given; ``work``: a scratch
+    tensor of ``logits``' shape and dtype (or ``None``).
 
     The float32 arithmetic of :func:`~bayescli.posterior.vi.dirichlet_fvi_objective.smoothed_samples`
     and its means, op for op (float32 ``softmax`` alone puts ``ᾱ`` ≈ 5e−7 from float64, and a
@@ -47,16 +52,28 @@ def sample_means(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torc
     ensemble GEMM's ``[N, M, K]`` layout, where softmax reads contiguous rows. ``γ = 0`` takes
     ``log_softmax`` (no underflow to ``ln 0``).
     """
+    if out is None:
+        out = logits.new_empty(2, logits.shape[0], logits.shape[-1], dtype=torch.float64)
+    if work is None:
+        work = torch.empty_like(logits)
     if gamma == 0:
-        log_f = torch.log_softmax(logits, -1)
-        a_log = log_f.mean(1).double()
-        a_bar = log_f.exp_().mean(1).double()
+        log_f = torch.log_softmax(logits, -1, out=work)
+        out[1] = log_f.mean(1)
+        out[0] = log_f.exp_().mean(1)
     else:
-        f = torch.softmax(logits, -1).mul_(1 - gamma).add_(gamma / logits.shape[-1])
-        a_bar = f.mean(1).double()
-        a_log = f.log_().mean(1).double()
-    a_bar = a_bar.div_(a_bar.sum(-1, keepdim=True))
-    return a_bar, a_bar.log(), a_log
+        f = torch.softmax(logits, -1, out=work).mul_(1 - gamma).add_(gamma / logits.shape[-1])
+        out[0] = f.mean(1)
+        out[1] = f.log_().mean(1)
+    return out
+
+
+def normalised_means(
+    means: torch.Tensor, log_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ᾱ`` (normalised in place), ``ln ᾱ`` (into ``log_out`` if given) and ``ᾰ`` (``[N, K]``,
+    float64) from :func:`sample_means`' ``[2, N, K]``."""
+    a_bar = means[0].div_(means[0].sum(-1, keepdim=True))
+    return a_bar, torch.log(a_bar, out=log_out), means[1]
 
 
 @dataclass
@@ -114,11 +131,13 @@ class DirichletFVIPosterior(Posterior):
         gaussian: bool,
     ) -> tuple[torch.Tensor, LogitGaussian | None]:
         """``α [N, K]`` (float64) from logit samples of row chunks (``sampler = (fn, rows)``,
-        ``fn(slice) -> [M, rows, K]``) and, if ``gaussian``, its Laplace-bridge image. The
-        elementwise work (:func:`sample_means`, :func:`~bayescli.dirichlet.fit_precision_vectorised`,
-        the bridge) runs on sub-chunks that stay in cache and writes into preallocated arrays (at
-        K = 1000, M = 10, one thread, per 10,000 inputs: 0.17 s of means, 0.22 s of Minka and 0.1 s
-        of bridge and output next to 3.8 s of matmul; torch.digamma's Minka took 0.39 s)."""
+        ``fn(slice) -> [M, rows, K]``) and, if ``gaussian``, its Laplace-bridge image.
+
+        On the CPU the elementwise work runs on sub-chunks that stay in cache: the sample means
+        (:func:`sample_means`, over ``[rows, M, K]``) on ``CACHE_CHUNK_ELEMENTS``, Minka
+        (:func:`~bayescli.dirichlet.fit_precision_vectorised`) and the bridge (over ``[rows, K]``, in
+        float64) on ``MINKA_CHUNK_ELEMENTS``; results go straight into the preallocated outputs.
+        A GPU wants few large kernels (and Minka reads its straggler count back once per call)."""
         k = self.num_classes
         sample, rows = sampler
         alpha = torch.empty(n, k, dtype=torch.float64, device=device)
@@ -126,28 +145,42 @@ class DirichletFVIPosterior(Posterior):
         if gaussian:
             mean, var = torch.empty_like(alpha), torch.empty_like(alpha)
             cov = torch.empty(n, k, k, dtype=torch.float64, device=device) if full else None
-        # CPU: cache-sized sub-chunks; a GPU wants few large kernels (and Minka's active-set loop
-        # reads its row count back once per iteration and sub-chunk)
-        sub = max(1, CACHE_CHUNK_ELEMENTS // (self.members * k)) if device.type == "cpu" else rows
+        on_cpu = device.type == "cpu"
+        sub = max(1, CACHE_CHUNK_ELEMENTS // (self.members * k)) if on_cpu else rows
+        block = max(1, MINKA_CHUNK_ELEMENTS // k) if on_cpu else rows
+        # scratch reused by every (sub-)chunk: fresh temporaries would cost page faults each time
+        means = torch.empty(2, min(rows, n), k, dtype=torch.float64, device=device)
+        log_a_bar_work = torch.empty(min(block, n), k, dtype=torch.float64, device=device)
+        work, workspace = None, {}
         for start in range(0, n, rows):
             with torch.no_grad():
                 # [rows, M, K]: the ensemble GEMM's own layout, so softmax reads contiguous rows
                 logits = sample(slice(start, start + rows)).transpose(0, 1)
-            for lo in range(0, logits.shape[0], sub):
-                hi = min(lo + sub, logits.shape[0])
+            count = logits.shape[0]
+            if work is None:
+                work = torch.empty(min(sub, count), *logits.shape[1:], dtype=logits.dtype, device=device)
+            for lo in range(0, count, sub):
+                hi = min(lo + sub, count)
+                sample_means(logits[lo:hi], self.smoothing, means[:, lo:hi], work[: hi - lo])
+            del logits  # the next chunk's GEMM reuses its memory
+            for lo in range(0, count, block):
+                hi = min(lo + block, count)
                 sl = slice(start + lo, start + hi)
-                a_bar, log_a_bar, a_log = sample_means(logits[lo:hi], self.smoothing)
-                z, _ = fit_precision_vectorised(a_bar, log_a_bar, a_log, self.members, k, self.n_data)
-                alpha[sl] = a = z[:, None] * a_bar
+                a_bar, log_a_bar, a_log = normalised_means(means[:, lo:hi], log_a_bar_work[: hi - lo])
+                z, _ = fit_precision_vectorised(
+                    a_bar, log_a_bar, a_log, self.members, k, self.n_data, workspace=workspace
+                )
+                a = torch.mul(a_bar, z[:, None], out=alpha[sl])
                 if gaussian and full:
                     mean[sl], cov[sl] = dirichlet_to_gaussian(a)
                     var[sl] = cov[sl].diagonal(dim1=1, dim2=2)
                 elif gaussian:
-                    # dirichlet_to_gaussian_diag(a) without its [rows, K] log: ln α = ln z + ln ᾱ,
-                    # and ln z cancels in the centring
+                    # dirichlet_to_gaussian_diag(a) without its [rows, K] log (ln α = ln z + ln ᾱ,
+                    # and ln z cancels in the centring) nor temporaries
                     torch.sub(log_a_bar, log_a_bar.mean(-1, keepdim=True), out=mean[sl])
-                    inv = a.reciprocal()
-                    torch.add(inv * (1 - 2 / k), inv.sum(-1, keepdim=True) / k**2, out=var[sl])
+                    inv = torch.reciprocal(a, out=var[sl])
+                    inv_sum = inv.sum(-1, keepdim=True).div_(k**2)
+                    inv.mul_(1 - 2 / k).add_(inv_sum)
         if not gaussian:
             return alpha, None
         return alpha, LogitGaussian(mean, var, cov, alpha=alpha, exact=False)
