@@ -93,3 +93,18 @@ def test_dirichlet_pattern_statistics():
     assert out["ΔECE(>60°)"] == pytest.approx((0.045, statistics.stdev([0.04, 0.05])), rel=1e-9)
     single = dirichlet_fvi_real.pattern(per_seed[:1], "f", "b")
     assert single["ΔLL(0°)"] == pytest.approx((0.01, 0.0), abs=1e-12)
+
+
+def test_size_markdown_row():
+    # One hand-made run of the size sweep: ΔNLL is 100·rel_nll with a sign, N has a thousands comma.
+    run = {
+        "n": 1250,
+        "seed": 1,
+        "kl_weight": seeds_vi.kl_weight_at(1250),
+        "det": {"nll": 0.2, "err": 5.0, "ece": 0.02},
+        "mnvi": {"nll": 0.15, "err": 5.5, "ece": 0.01},
+        "rel_nll": seeds_vi.relative_change(0.15, 0.2),
+    }
+    table = seeds_vi.size_markdown([run]).splitlines()
+    assert len(table) == 3
+    assert table[2] == "| 1,250 | 1 | 8.8e-06 | 0.2000 | 5.00 | 0.0200 | 0.1500 | 5.50 | 0.0100 | -25.0% |"
