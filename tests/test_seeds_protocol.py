@@ -1,5 +1,6 @@
 """The seed-claim benchmark's protocol helpers (benchmarks/seeds_glm.py): seed 004's prior rule
-(the δ whose validation MMC is closest to a target) and per-method δ selection by validation NLL."""
+(the δ whose validation MMC is closest to a target), per-method δ selection by validation NLL and
+the mean ± standard error over splits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from sklearn.metrics import log_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from seeds_glm import mmc_matched_delta, select_by_nll  # noqa: E402
+from seeds_glm import mean_se, mmc_matched_delta, select_by_nll  # noqa: E402
 
 
 def test_mmc_matched_delta_picks_the_closest_grid_value() -> None:
@@ -86,3 +87,15 @@ def test_norm_gain_is_the_normalised_bridge_scale_of_the_means() -> None:
         corrected / c
     )
     torch.testing.assert_close(laplace_bridge(mean, var, "norm"), alpha, rtol=1e-10, atol=0)
+
+
+def test_mean_se_matches_scipy_sem() -> None:
+    from scipy.stats import sem
+
+    gen = np.random.default_rng(0)
+    for n in (2, 3, 10):
+        values = gen.normal(0.1, 0.02, n).tolist()
+        mean, se = mean_se(values)
+        assert mean == pytest.approx(float(np.mean(values)), rel=1e-12)
+        assert se == pytest.approx(float(sem(values)), rel=1e-12)  # ddof = 1
+    assert mean_se([0.25]) == (0.25, 0.0)  # one split: no spread to estimate
