@@ -226,15 +226,16 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
 
 
 def low_accuracy_warning(acc: float, num_classes: int, where: str, multilabel: bool = False) -> str | None:
-    """A warning when accuracy is below 50% or within 2× of chance (``1/K``), else ``None``; for a
-    multi-label model (``acc`` the per-label accuracy of :func:`map_correct`) when it is below 50%,
-    a coin flip per label.
+    """A warning when accuracy is below 50% or, with more than two classes, within 2× of chance
+    (``1/K``), else ``None``; for a multi-label model (``acc`` the per-label accuracy of
+    :func:`map_correct`) when it is below 50%, a coin flip per label.
 
     A pretrained model that scores this low on its own kind of data is almost always fed wrongly
     (preprocessing, class order, wrong head), and every uncertainty number after it is meaningless.
+    With two classes 2× chance is 100%, so there only below-chance accuracy warns.
     """
     chance = 0.5 if multilabel else 1.0 / num_classes
-    if acc >= 0.5 and (multilabel or acc > 2 * chance):
+    if acc >= 0.5 and (multilabel or num_classes <= 2 or acc > 2 * chance):
         return None
     what = "per-label MAP accuracy" if multilabel else "MAP accuracy"
     return (

@@ -262,3 +262,15 @@ def test_map_accuracy_of_a_multilabel_net_is_per_label_and_its_warning_uses_a_co
     message = low_accuracy_warning(0.45, 4, "the data", multilabel=True)
     assert message is not None and "per-label MAP accuracy on the data is 45.0% (chance 50.0%)" in message
     assert low_accuracy_warning(0.45, 4, "the data") is not None
+
+
+def test_low_accuracy_warning_for_two_classes_warns_only_below_chance():
+    from bayescli.metrics import low_accuracy_warning
+
+    # 2× chance is 100% for K = 2: a 99.7%-accurate binary classifier is not fed wrongly
+    assert low_accuracy_warning(0.997, 2, "the data") is None
+    assert low_accuracy_warning(0.55, 2, "the data") is None
+    assert "MAP accuracy on the data is 45.0% (chance 50.0%)" in low_accuracy_warning(0.45, 2, "the data")
+    # K > 2 keeps the 2×-chance rule
+    assert low_accuracy_warning(0.6, 3, "the data") is not None
+    assert low_accuracy_warning(0.7, 3, "the data") is None
