@@ -72,6 +72,7 @@ class ModelOptions:
     model_args: list[str] = field(default_factory=list)
     output: str | None = None
     preprocess: Preprocess | None = None
+    likelihood: str | None = None
 
     def load(self) -> LoadedModel:
         return load_classifier(
@@ -82,6 +83,7 @@ class ModelOptions:
             preprocess=self.preprocess,
             model_args=list(self.model_args),
             output=self.output,
+            likelihood=self.likelihood,
         )
 
 

@@ -38,6 +38,9 @@ from bayescli.preprocess import Preprocess
 BuiltinFactory = Callable[..., nn.Module]
 _BUILTINS: dict[str, BuiltinFactory] = {}
 
+# the classifier likelihoods: softmax, or a sigmoid per class (multi-label)
+LIKELIHOODS = ("categorical", "bernoulli")
+
 
 def register_builtin(name: str) -> Callable[[BuiltinFactory], BuiltinFactory]:
     """Register ``factory(num_classes, input_shape) -> nn.Module`` as ``builtin:name``."""
@@ -313,6 +316,7 @@ def load_classifier(
     model_args: list[str] | dict | None = None,
     file_args: dict | None = None,
     output: int | str | None = None,
+    likelihood: str | None = None,
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
@@ -329,9 +333,13 @@ def load_classifier(
     :meth:`LoadedModel.describe`. Raises :class:`BayescliError` for unknown specs, unreadable
     checkpoints, a hash mismatch with ``expected_sha256``, or weights that do not fit. ``preprocess``
     sets the input recipe; without one, the recipe the checkpoint carries (a ``bayescli train``
-    normalisation, an HF image processor) is used, else none.
+    normalisation, an HF image processor) is used, else none. ``likelihood`` (``categorical`` or
+    ``bernoulli``) declares what a checkpoint saved elsewhere was trained with (a ``bayescli train``
+    checkpoint records it; one that records another is refused).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(model)
+    if likelihood is not None and likelihood not in LIKELIHOODS:
+        raise BayescliError(f"unknown likelihood '{likelihood}'; use one of {', '.join(LIKELIHOODS)}")
     folder = None
     if spec.kind == "hf":
         from bayescli.hf import hf_folder_files
@@ -342,6 +350,14 @@ def load_classifier(
     path = Path(checkpoint)
     ckpt = read_checkpoint(path)
     meta = dict(ckpt.metadata)
+    if likelihood is not None:
+        recorded = meta.get("likelihood")
+        if recorded is not None and recorded != likelihood:
+            raise BayescliError(
+                f"{path} records likelihood '{recorded}', not '{likelihood}'; drop --likelihood or pass "
+                f"--likelihood {recorded}"
+            )
+        meta["likelihood"] = likelihood
     digest = sha256_file(path)
     if expected_sha256 is not None and digest != expected_sha256:
         raise BayescliError(

@@ -281,3 +281,42 @@ def test_cli_refuses_likelihood_and_data_mismatches_naming_both(cli, multi_ckpt,
         "classifier (likelihood 'categorical', one class per input); use single-label data"
     )
     assert not out.exists()
+
+
+def test_cli_likelihood_declares_a_multilabel_checkpoint_saved_elsewhere(cli, multi_ckpt, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    # the same weights with nothing recorded about the likelihood (as saved elsewhere)
+    plain = tmp_path / "published.safetensors"
+    with safe_open(str(multi_ckpt), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+        header = json.loads(f.metadata()["bayescli"])
+    del header["likelihood"]
+    save_file(tensors, str(plain), metadata={"bayescli": json.dumps(header)})
+    args = ["--model", "builtin:mlp", "--checkpoint", plain, "--data", "composed-digits:train"]
+    out = tmp_path / "p.safetensors"
+    # without the declaration the model is softmax, and the labels say otherwise
+    assert "but the model is a softmax classifier" in one_error_line(cli("fit-laplace", *args, "--out", out))
+    res = cli("fit-laplace", *args, "--likelihood", "bernoulli", "--prior-precision", "1", "--out", out)
+    assert res.code == 0, res.err
+    _, meta = load_tensors(out)
+    assert meta["likelihood"] == "bernoulli"
+    # later commands reload the checkpoint as the posterior declared it
+    pred = tmp_path / "pred.json"
+    res = cli("predict", "--posterior", out, "--data", "composed-digits:test", "--out", pred)
+    assert res.code == 0, res.err
+    assert json.loads(pred.read_text())["likelihood"] == "bernoulli"
+    rep = tmp_path / "report.json"
+    res = cli("evaluate", "--posterior", out, "--data", "composed-digits:test", "--out", rep)
+    assert res.code == 0, res.err
+    assert json.loads(rep.read_text())["likelihood"] == "bernoulli"
+    # a checkpoint that records its likelihood cannot be declared otherwise
+    recorded = ["--model", "builtin:mlp", "--checkpoint", multi_ckpt, "--data", "composed-digits:train"]
+    line = one_error_line(cli("fit-laplace", *recorded, "--likelihood", "categorical", "--out", out))
+    assert line == (
+        f"error: {multi_ckpt} records likelihood 'bernoulli', not 'categorical'; drop --likelihood or "
+        "pass --likelihood bernoulli"
+    )
+    line = one_error_line(cli("fit-laplace", *args, "--likelihood", "poisson", "--out", out))
+    assert line == "error: unknown likelihood 'poisson'; use one of categorical, bernoulli"

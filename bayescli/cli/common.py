@@ -140,6 +140,15 @@ Output = Annotated[
         rich_help_panel="Model",
     ),
 ]
+Likelihood = Annotated[
+    str | None,
+    typer.Option(
+        "--likelihood",
+        help="What the checkpoint was trained with: categorical (softmax) or bernoulli (a sigmoid per "
+        "class, multi-label); default: what the checkpoint records, else categorical.",
+        rich_help_panel="Model",
+    ),
+]
 ConfirmModel = Annotated[
     str | None,
     typer.Option(
@@ -239,11 +248,14 @@ def model_options(
     model_args: list[str] | None = None,
     output: str | None = None,
     preprocess: Preprocess | None = None,
+    likelihood: str | None = None,
 ) -> ModelOptions:
     """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object."""
     from bayescli.fitting import ModelOptions
 
-    return ModelOptions(model, checkpoint, head, checkpoint_key, list(model_args or []), output, preprocess)
+    return ModelOptions(
+        model, checkpoint, head, checkpoint_key, list(model_args or []), output, preprocess, likelihood
+    )
 
 
 def option_groups(params: dict[str, Any]) -> tuple[ModelOptions, DataOptions]:
@@ -267,6 +279,7 @@ def option_groups(params: dict[str, Any]) -> tuple[ModelOptions, DataOptions]:
         model_args=params["model_args"],
         output=params["output"],
         preprocess=pre,
+        likelihood=params.get("likelihood"),
     )
     data = data_options(
         data_root=params["data_root"],

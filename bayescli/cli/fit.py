@@ -53,6 +53,7 @@ def fit_laplace_cmd(
     head: c.Head = None,
     model_args: c.ModelArg = None,
     output: c.Output = None,
+    likelihood: c.Likelihood = None,
     preprocess: c.PreprocessOpt = None,
     mean: c.Mean = None,
     std: c.Std = None,

@@ -192,6 +192,8 @@ class Posterior(ABC):
             Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
             file_args=self.meta.get("model_args"),
             output=self.meta.get("output"),
+            # a checkpoint saved elsewhere was declared multi-label at fit time (--likelihood)
+            likelihood=self.likelihood,
         )
         if loaded.classifier.num_classes != self.meta.get("num_classes", loaded.classifier.num_classes):
             raise BayescliError(

@@ -33,10 +33,9 @@ from torch import nn
 
 from bayescli import devices
 from bayescli.errors import BayescliError
+from bayescli.models import LIKELIHOODS
 from bayescli.options import CurvatureType, HessianStructure
 from bayescli.posterior.curvature import Curvature, network_jacobian
-
-LIKELIHOODS = ("categorical", "bernoulli")
 
 
 class MultiLabelBCELoss(nn.BCEWithLogitsLoss):
