@@ -192,8 +192,9 @@ class Posterior(ABC):
             Preprocess.from_meta(self.meta["preprocess"]) if self.meta.get("preprocess") else None,
             file_args=self.meta.get("model_args"),
             output=self.meta.get("output"),
-            # a checkpoint saved elsewhere was declared multi-label at fit time (--likelihood)
-            likelihood=self.likelihood,
+            # a checkpoint saved elsewhere was declared multi-label at fit time (--likelihood); the
+            # checkpoint hash above pins the file, so only a declaration is passed back, never a default
+            likelihood=self.likelihood if self.likelihood != "categorical" else None,
         )
         if loaded.classifier.num_classes != self.meta.get("num_classes", loaded.classifier.num_classes):
             raise BayescliError(
