@@ -17,6 +17,18 @@ if TYPE_CHECKING:  # annotations only: the CLI builds its help without loading t
     from bayescli.posterior.base import Posterior
 
 
+
+def _report(post: Posterior, test: Data, result: dict) -> dict:
+    """The conformal report: its header, then the suite's ``result`` (single- or multi-label)."""
+    return {
+        "schema_version": 1,
+        "kind": "conformal",
+        "bayescli_version": __version__,
+        "posterior_summary": c.posterior_summary(post),
+        "data": test.info,
+        **result,
+    }
+
 def conformal_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
     data: Annotated[str, typer.Option(help="Data to build sets for, e.g. digits:test.")],
@@ -112,14 +124,7 @@ def conformal_cmd(
     result, sets = standalone_conformal(
         post, model, method, test, feats, cal, cal_feats, ccfg, val_data or cal_spec, cfg
     )
-    report = {
-        "schema_version": 1,
-        "kind": "conformal",
-        "bayescli_version": __version__,
-        "posterior_summary": c.posterior_summary(post),
-        "data": test.info,
-        **result,
-    }
+    report = _report(post, test, result)
     if out is not None:
         names = model.class_names
         labels = feats.labels.tolist() if feats.labels is not None else None
@@ -181,14 +186,7 @@ def _multilabel(
     result, sets = standalone_conformal(
         post, model.classifier, names, method, test, feats, cal, cal_feats, alpha, samples, seed
     )
-    report = {
-        "schema_version": 1,
-        "kind": "conformal",
-        "bayescli_version": __version__,
-        "posterior_summary": c.posterior_summary(post),
-        "data": test.info,
-        **result,
-    }
+    report = _report(post, test, result)
     if out is not None:
         labels = feats.labels.tolist() if feats.labels is not None else None
         members = sets.cpu().tolist()  # [N][K][2] booleans

@@ -33,6 +33,7 @@ from torch import nn
 
 from bayescli import devices
 from bayescli.errors import BayescliError
+from bayescli.metrics import map_probabilities
 from bayescli.models import LIKELIHOODS
 from bayescli.options import CurvatureType, HessianStructure
 from bayescli.posterior.curvature import Curvature, network_jacobian
@@ -77,11 +78,6 @@ def _bce_ggn_extension() -> object:
             return torch.diag_embed((p * (1 - p)).sqrt()).transpose(0, 1)
 
     return DiagGGNLoss(derivatives=MultiLabelDerivatives())
-
-
-def probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
-    """``softmax(f)`` over classes, or ``sigmoid(f)`` per label for ``bernoulli``: ``[N, K]``."""
-    return logits.sigmoid() if likelihood == "bernoulli" else logits.softmax(-1)
 
 
 def _loss_hessian(probs: torch.Tensor, likelihood: str) -> torch.Tensor:
@@ -231,7 +227,7 @@ def _all_layer_diag_jacobian(
             chunk = max(1, _JACOBIAN_FLOATS // (k * n_params))
         for lo in range(0, len(x), chunk):
             logits, jac = network_jacobian(net, x[lo : lo + chunk])
-            probs = probabilities(logits, likelihood)
+            probs = map_probabilities(logits, likelihood)
             if curvature is CurvatureType.GGN:
                 root = _loss_hessian_root(probs, likelihood)
                 part = torch.einsum("nkp,nkl->nlp", jac, root).square().sum((0, 1))
@@ -252,7 +248,7 @@ def _all_layer_full(
     total, n = None, 0
     for x, y in inputs:
         logits, jac = network_jacobian(net, x)
-        probs = probabilities(logits, likelihood)
+        probs = map_probabilities(logits, likelihood)
         if curvature is CurvatureType.GGN:
             part = torch.einsum("nkp,nkl,nlq->pq", jac, _loss_hessian(probs, likelihood), jac)
         else:
