@@ -1,26 +1,25 @@
 """The Dirichlet fVI predictive's fast path (issue 25 part 4): vectorised ψ/ψ₁ gaps, Minka from
-them, and the fused sample means give the α of the old algorithm (float32 smoothed samples, float64
-``torch.digamma``/``polygamma`` Minka from Stirling's start) run to full convergence, to 1e-6 relative."""
+them, the member-by-member head GEMMs and the float64 sample means give the α of the float64
+estimator of the same float32 softmax samples (float64 smoothing, means and logs, ``torch.digamma``/
+``polygamma`` Minka from Stirling's start run to full convergence) to far better than 1e-6 relative."""
 
 import math
 
 import mpmath as mp
 import pytest
 import torch
-import torch.nn.functional as F
 from tolerance import assert_close
 
 from bayescli.dirichlet import _VECTORISED_STEPS, digamma_gaps, fit_precision_vectorised
 from bayescli.options import Subset
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (
-    MINKA_CHUNK_ELEMENTS,
     DirichletFVIPosterior,
     normalised_means,
     sample_means,
 )
+from bayescli.posterior.vi.dirichlet_fvi_samples import ensemble_member_logits, head_logits
 
 GAMMA = 1e-4
-MINKA_ROWS = MINKA_CHUNK_ELEMENTS // 1000  # rows per Minka/bridge block at K = 1000
 
 
 def old_sample_means(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,31 +124,72 @@ def test_rows_left_moving_go_on_with_exact_steps():
     assert_close(z[:, None] * a_bar, ref, rtol=1e-9, what="alpha after the exact steps")
 
 
-@pytest.mark.parametrize("gamma", [GAMMA, 0.0])
-def test_sample_means_are_the_smoothed_means(gamma):
-    """The fused [N, M, K] pass equals the plain float64 means of f̃ and ln f̃ (to float32 rounding)."""
+def float64_means(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 estimator's sample stage on ``logits [M, N, K]``: the float32 softmax (the samples,
+    as in training) widened, then the means over members of ``f̃ = (1 − γ) p + γ/K`` and ``ln f̃``."""
+    ft = torch.softmax(logits, -1).double() * (1 - gamma) + gamma / logits.shape[-1]
+    if gamma == 0:  # ln f = log_softmax: float64 from the same float32 logits
+        return ft.mean(0), torch.log_softmax(logits.double(), -1).mean(0)
+    return ft.mean(0), ft.log().mean(0)
+
+
+@pytest.mark.parametrize(
+    ("gamma", "members", "classes"),
+    [(GAMMA, 10, 50), (0.0, 10, 50), (GAMMA, 3, 50), (GAMMA, 1, 50), (GAMMA, 120, 50), (1e-30, 25, 7)],
+)
+def test_sample_means_are_the_smoothed_means(gamma, members, classes):
+    """``sample_means`` equals the plain float64 means of f̃ and ln f̃ of the float32 softmax, to float64
+    rounding: with tails under the smoothing floor γ/K, and with so many members (120 at K = 50) or
+    so small a floor (γ = 1e−30) that the product of the factors p + c ≥ c is taken in several runs
+    (one run would underflow: c¹²⁰ ≈ 1e−684, c²⁵ ≈ 1e−791)."""
     gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(7, 10, 50, generator=gen) * 8  # [N, M, K]; tails below γ/K
-    ft = torch.softmax(logits.double(), -1) * (1 - gamma) + gamma / 50
+    logits = torch.randn(members, 7, classes, generator=gen) * 8  # [M, N, K]
+    mean_ft, mean_log_ft = float64_means(logits, gamma)
     a_bar, log_a_bar, a_log = normalised_means(sample_means(logits, gamma))
-    ref = ft.mean(1) / ft.mean(1).sum(-1, keepdim=True)
-    assert_close(a_bar, ref, rtol=1e-6, what="ᾱ")
-    assert_close(log_a_bar, ref.log(), atol=1e-6, what="ln ᾱ")
-    assert_close(a_log, ft.log().mean(1), rtol=1e-6, atol=1e-6, what="ᾰ")
+    ref = mean_ft / mean_ft.sum(-1, keepdim=True)
+    assert_close(a_bar, ref, rtol=1e-12, what="ᾱ")
+    assert_close(log_a_bar, ref.log(), atol=1e-12, what="ln ᾱ")
+    # γ = 0: float32 log_softmax, rounded to ≈ 2e−7 relative of |ln p| ≤ 60 here (observed 6e−8)
+    rtol = 2e-6 if gamma == 0 else 1e-12
+    assert_close(a_log, mean_log_ft, rtol=rtol, atol=1e-12, what="ᾰ")
 
 
-@pytest.mark.parametrize("members", [10, 1])
-def test_predictive_alpha_is_the_old_algorithms(members):
-    """α of the whole predictive (GEMM, fused means, vectorised Minka, sub-chunks) against the old
-    algorithm to full convergence on the same heads, with diverse, agreeing and near-identical
-    members and overconfident inputs; the bridge's diag Σ and μ follow."""
+def test_ensemble_member_logits_are_the_stacked_heads():
+    """One GEMM per member into the buffer gives head_logits' members (to float32 GEMM rounding)."""
+    gen = torch.Generator().manual_seed(3)
+    params = {"weight": torch.randn(4, 30, 16, generator=gen), "bias": torch.randn(4, 30, generator=gen)}
+    phi = torch.randn(11, 16, generator=gen)
+    buffer = torch.full((4, 20, 30), math.nan)
+    out = ensemble_member_logits(params, phi, buffer)
+    assert out.shape == (4, 11, 30) and out.data_ptr() == buffer.data_ptr()
+    exact = (
+        torch.einsum("nd,mkd->mnk", phi.double(), params["weight"].double())
+        + params["bias"].double()[:, None]
+    )
+    assert_close(out.double(), exact, rtol=1e-5, atol=1e-5, what="member logits")
+    assert_close(
+        out, head_logits("ensemble", params, phi, 4, None, 0.0), rtol=1e-5, atol=1e-5, what="vs stacked"
+    )
+
+
+@pytest.mark.parametrize("members", [10, 3, 1])
+def test_predictive_alpha_is_the_float64_estimator(members, monkeypatch):
+    """α of the whole predictive (member GEMMs, float64 means, vectorised Minka, bridge) against the
+    float64 estimator of the same member logits' float32 softmax run to full convergence, with
+    diverse, agreeing and near-identical members and overconfident inputs; the bridge's diag Σ and
+    μ follow. The chunks are cut small (20-row member chunks, 7-row sample-mean passes, 9-row Minka
+    blocks) so that every boundary is crossed; to 1e−7 (the vectorised steps' tol leaves ≈ 1e−8)."""
     k, d, n_data = 1000, 64, 20_000
+    module = "bayescli.posterior.vi.dirichlet_fvi_posterior"
+    monkeypatch.setattr(f"{module}.MEMBER_CHUNK_ELEMENTS", 20 * k)
+    monkeypatch.setattr(f"{module}.CACHE_CHUNK_ELEMENTS", 7 * k * members)
+    monkeypatch.setattr(f"{module}.MINKA_CHUNK_ELEMENTS", 9 * k)
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(k, d, generator=gen) / d**0.5 * 3
     noise = torch.randn(members, k, d, generator=gen)
     phi = torch.randn(90, d, generator=gen).relu()
     # overconfident rows (most classes under the smoothing floor γ/K) interleaved with the others, so
-    # that each of the Minka/bridge blocks (65 rows at K = 1000) holds rows with interior z
+    # that each Minka block holds rows with interior z
     phi[::3] *= 10
     for spread in (0.5, 0.2, 0.02, 1e-6):
         params = {"weight": w + spread * noise, "bias": torch.zeros(members, k)}
@@ -157,16 +197,16 @@ def test_predictive_alpha_is_the_old_algorithms(members):
             "ensemble", Subset.LAST_LAYER, params, torch.ones(k), members, n_data, 0.01, 0.0, 0
         )
         lg = post.logit_gaussian(phi)
-        logits = torch.stack([F.linear(phi, params["weight"][i]) for i in range(members)])
-        ref = old_alpha(*old_sample_means(logits, GAMMA), members, k, n_data)
-        what = f"spread {spread}, M={members}: alpha vs the old algorithm"
-        assert_close(lg.alpha, ref, rtol=1e-6, what=what)
+        logits = ensemble_member_logits(params, phi, torch.empty(members, len(phi), k))
+        ref = old_alpha(*float64_means(logits, GAMMA), members, k, n_data)
+        what = f"spread {spread}, M={members}: alpha vs the float64 estimator"
+        assert_close(lg.alpha, ref, rtol=1e-7, what=what)
         inv = 1 / ref
         var = inv * (1 - 2 / k) + inv.sum(-1, keepdim=True) / k**2
-        assert_close(lg.var, var, rtol=1e-6, what=f"spread {spread}: bridge variances")
+        assert_close(lg.var, var, rtol=1e-7, what=f"spread {spread}: bridge variances")
         log_ref = ref.log()
-        assert_close(lg.mean, log_ref - log_ref.mean(-1, keepdim=True), atol=1e-6, what="bridge means")
+        assert_close(lg.mean, log_ref - log_ref.mean(-1, keepdim=True), atol=1e-7, what="bridge means")
         assert math.isclose(float(post.alpha_features(phi).sub(lg.alpha).abs().max()), 0.0)
-        if members > 1 and spread == 0.2:  # interior z in the second block too
-            z = lg.alpha[MINKA_ROWS:].sum(-1)
+        if members > 1 and spread == 0.2:  # interior z in the last member chunk and Minka block too
+            z = lg.alpha[81:].sum(-1)
             assert bool(((z > 1.01 * k) & (z < 0.99 * n_data)).any())

@@ -14,6 +14,7 @@ SODPP and MC act on the Gaussian and only approximate it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,42 +29,62 @@ from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA
-from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits, network_logits
+from bayescli.posterior.vi.dirichlet_fvi_samples import ensemble_member_logits, head_logits, network_logits
 
 FULL_COV_MAX_CLASSES = 64  # above this, the logit Gaussian carries diag Σ only
-PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per predictive matmul
-CACHE_CHUNK_ELEMENTS = 1 << 19  # the same per sample-means pass (fits in L2/L3; measured best)
-MINKA_CHUNK_ELEMENTS = 1 << 16  # inputs × classes per Minka/bridge pass (float64, in L2)
+PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per sampled chunk
+MEMBER_CHUNK_ELEMENTS = 1 << 20  # inputs × classes per member GEMM of a head ensemble on the CPU
+MEMBER_BUFFER_ELEMENTS = 1 << 24  # members × inputs × classes of its logits buffer (64 MiB float32)
+CACHE_CHUNK_ELEMENTS = 1 << 19  # samples × inputs × classes per sample-means pass (in cache)
+MINKA_CHUNK_ELEMENTS = 1 << 18  # inputs × classes per Minka/bridge pass (float64)
 INPUT_CHUNK_IMAGES = 2048  # images per network pass (all samples) in whole-network predictives
+# −ln of the smallest product of factors ≥ c that float64 holds with room to spare (≈ 1e-282)
+_PRODUCT_LOG_FLOOR = 650.0
 
 
 @torch.no_grad()
 def sample_means(
-    logits: torch.Tensor, gamma: float, out: torch.Tensor | None = None, work: torch.Tensor | None = None
+    logits: torch.Tensor,
+    gamma: float,
+    out: torch.Tensor | None = None,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The means over members of the smoothed samples ``f̃ = (1 − γ) softmax + γ/K`` and of ``ln f̃``
-    for ``logits [N, M, K]``: ``[2, N, K]`` (float64; ``ᾰ`` is row 1; row 0 is the unnormalised
-    ``ᾱ``, :func:`normalised_means` finishes it), written into ``out`` if given; ``work``: a scratch
-    tensor of ``logits``' shape and dtype (or ``None``).
+    """Sufficient statistics of the smoothed samples ``f̃_m = (1 − γ) p_m + γ/K``, ``p_m =
+    softmax(l_m)``, for member logits ``logits [M, N, K]``: ``[2, N, K]`` (float64) with ``Σ_m f̃_m``
+    in row 0 (``ᾱ`` up to its normalisation, :func:`normalised_means`) and ``ᾰ = (1/M) Σ_m ln f̃_m``
+    in row 1, written into ``out`` if given. ``work``: scratch ``[M, N, K]`` in the logits' dtype and
+    in float64 (or ``None``).
 
-    The float32 arithmetic of :func:`~bayescli.posterior.vi.dirichlet_fvi_objective.smoothed_samples`
-    and its means, op for op (float32 ``softmax`` alone puts ``ᾱ`` ≈ 5e−7 from float64, and a
-    reordered ``ln f̃`` would move ``z`` by as much), but in place on one buffer and in the
-    ensemble GEMM's ``[N, M, K]`` layout, where softmax reads contiguous rows. ``γ = 0`` takes
-    ``log_softmax`` (no underflow to ``ln 0``).
+    ``p_m`` is the logits' dtype's softmax (as in training); everything after it is float64, so the
+    result is the float64 estimator of those samples to float64 rounding (a float32 ``p + c`` alone
+    would move ``z`` of near-identical members by ~3e−7). Logs are the costly part, so
+    ``Σ_m ln f̃_m = M ln(1 − γ) + ln Π_m (p_m + c)`` with ``c = γ/(K(1 − γ))``: one log of ``[N, K]``
+    per run of members whose product cannot underflow (each factor is ≥ ``c``) instead of ``M``.
+    ``γ = 0`` sums ``log_softmax`` instead (``p`` may underflow to 0; ``ᾰ`` then carries the
+    logits' dtype's rounding of ``log_softmax``).
     """
+    m, n, k = logits.shape
     if out is None:
-        out = logits.new_empty(2, logits.shape[0], logits.shape[-1], dtype=torch.float64)
+        out = logits.new_empty(2, n, k, dtype=torch.float64)
     if work is None:
-        work = torch.empty_like(logits)
+        work = (torch.empty_like(logits), torch.empty_like(logits, dtype=torch.float64))
+    narrow, wide = work
+    total, log_sum = out[0], out[1]
     if gamma == 0:
-        log_f = torch.log_softmax(logits, -1, out=work)
-        out[1] = log_f.mean(1)
-        out[0] = log_f.exp_().mean(1)
-    else:
-        f = torch.softmax(logits, -1, out=work).mul_(1 - gamma).add_(gamma / logits.shape[-1])
-        out[0] = f.mean(1)
-        out[1] = f.log_().mean(1)
+        torch.sum(wide.copy_(torch.softmax(logits, -1, out=narrow)), 0, out=total)
+        torch.sum(wide.copy_(torch.log_softmax(logits, -1, out=narrow)), 0, out=log_sum).div_(m)
+        return out
+    p = wide.copy_(torch.softmax(logits, -1, out=narrow))
+    torch.sum(p, 0, out=total).mul_(1 - gamma).add_(m * gamma / k)
+    c = gamma / (k * (1 - gamma))
+    run = max(1, int(_PRODUCT_LOG_FLOOR // -math.log(c))) if c < 1 else m
+    for start in range(0, m, run):
+        factors = p[start : start + run].add_(c)
+        if start == 0:
+            torch.prod(factors, 0, out=log_sum).log_()
+        else:
+            log_sum.add_(torch.prod(factors, 0).log_())
+    log_sum.div_(m).add_(math.log1p(-gamma))
     return out
 
 
@@ -134,7 +155,7 @@ class DirichletFVIPosterior(Posterior):
         ``fn(slice) -> [M, rows, K]``) and, if ``gaussian``, its Laplace-bridge image.
 
         On the CPU the elementwise work runs on sub-chunks that stay in cache: the sample means
-        (:func:`sample_means`, over ``[rows, M, K]``) on ``CACHE_CHUNK_ELEMENTS``, Minka
+        (:func:`sample_means`, over ``[M, rows, K]``) on ``CACHE_CHUNK_ELEMENTS``, Minka
         (:func:`~bayescli.dirichlet.fit_precision_vectorised`) and the bridge (over ``[rows, K]``, in
         float64) on ``MINKA_CHUNK_ELEMENTS``; results go straight into the preallocated outputs.
         A GPU wants few large kernels (and Minka reads its straggler count back once per call)."""
@@ -154,15 +175,16 @@ class DirichletFVIPosterior(Posterior):
         work, workspace = None, {}
         for start in range(0, n, rows):
             with torch.no_grad():
-                # [rows, M, K]: the ensemble GEMM's own layout, so softmax reads contiguous rows
-                logits = sample(slice(start, start + rows)).transpose(0, 1)
-            count = logits.shape[0]
+                logits = sample(slice(start, start + rows))
+            count = logits.shape[1]
             if work is None:
-                work = torch.empty(min(sub, count), *logits.shape[1:], dtype=logits.dtype, device=device)
+                shape = (logits.shape[0], min(sub, count), k)
+                work = (logits.new_empty(shape), logits.new_empty(shape, dtype=torch.float64))
             for lo in range(0, count, sub):
                 hi = min(lo + sub, count)
-                sample_means(logits[lo:hi], self.smoothing, means[:, lo:hi], work[: hi - lo])
-            del logits  # the next chunk's GEMM reuses its memory
+                scratch = tuple(t[:, : hi - lo] for t in work)
+                sample_means(logits[:, lo:hi], self.smoothing, means[:, lo:hi], scratch)
+            del logits  # the next chunk's samples reuse its memory
             for lo in range(0, count, block):
                 hi = min(lo + block, count)
                 sl = slice(start + lo, start + hi)
@@ -179,8 +201,7 @@ class DirichletFVIPosterior(Posterior):
                     # and ln z cancels in the centring) nor temporaries
                     torch.sub(log_a_bar, log_a_bar.mean(-1, keepdim=True), out=mean[sl])
                     inv = torch.reciprocal(a, out=var[sl])
-                    inv_sum = inv.sum(-1, keepdim=True).div_(k**2)
-                    inv.mul_(1 - 2 / k).add_(inv_sum)
+                    torch.add(inv.sum(-1, keepdim=True).div_(k**2), inv, alpha=1 - 2 / k, out=inv)
         if not gaussian:
             return alpha, None
         return alpha, LogitGaussian(mean, var, cov, alpha=alpha, exact=False)
@@ -191,13 +212,28 @@ class DirichletFVIPosterior(Posterior):
         gen = self._generator(phi.device)
         params = {k: v.to(phi.device) for k, v in self.params.items()}
         phi = phi.to(params["weight"].dtype)
+        k = self.num_classes
+        if self.family in ("ensemble", "map"):
+            # one head-sized GEMM per member: its weights stay in cache, unlike the stacked [M·K, D]
+            # (on the CPU, ~1,000 rows at K = 1000 make it as fast per FLOP as the plain head)
+            m = params["weight"].shape[0]
+            rows = PREDICT_CHUNK_ELEMENTS // (m * k)
+            if phi.device.type == "cpu":
+                rows = min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (m * k))
+            rows = max(1, min(rows, phi.shape[0]))
+            buffer = phi.new_empty(m, rows, k)
 
-        def sampler(sl: slice) -> torch.Tensor:
+            def members(sl: slice) -> torch.Tensor:
+                return ensemble_member_logits(params, phi[sl], buffer)
+
+            return members, rows
+
+        def sampled(sl: slice) -> torch.Tensor:
             return head_logits(self.family, params, phi[sl], self.members, gen, self.dropout)
 
         # dropout masks are [M, rows, D], everything else [M, rows, K]
-        width = max(self.num_classes, phi.shape[1] if self.family == "dropout" else 0)
-        return sampler, max(1, PREDICT_CHUNK_ELEMENTS // (self.members * width))
+        width = max(k, phi.shape[1] if self.family == "dropout" else 0)
+        return sampled, max(1, PREDICT_CHUNK_ELEMENTS // (self.members * width))
 
     def _input_sampler(
         self, classifier: Classifier, x: torch.Tensor

@@ -44,6 +44,19 @@ def head_logits(
     return F.linear(phi * masks, w[0], b[0])
 
 
+def ensemble_member_logits(
+    params: dict[str, torch.Tensor], phi: torch.Tensor, buffer: torch.Tensor
+) -> torch.Tensor:
+    """:func:`head_logits` of an ensemble (or map) as ``[M, N, K]`` written into ``buffer`` (``[M, ≥ N,
+    K]``), one head-sized GEMM per member (to rounding the same numbers as the stacked ``[N, M·K]``
+    GEMM, whose ``M``-fold weights would not stay in cache)."""
+    w, b = params["weight"], params["bias"]
+    out = buffer[:, : phi.shape[0]]
+    for member in range(w.shape[0]):
+        torch.addmm(b[member], phi, w[member].t(), out=out[member])
+    return out
+
+
 def init_head(family: str, head: nn.Linear, members: int, scale: float, gen: torch.Generator) -> dict:
     """Trainable head parameters started from the MAP head (module docs), on the host (the seeded
     start is then the same on every device; the caller moves them)."""
