@@ -194,9 +194,7 @@ def resolve_preprocess(
         if values is not None and (not values or (name_ == "std" and min(values) <= 0)):
             raise BayescliError(f"--{name_} needs one positive value per channel, got {values}")
     overrides = {
-        k: v
-        for k, v in {"mean": mean, "std": std, "resize": resize, "crop": crop}.items()
-        if v is not None
+        k: v for k, v in {"mean": mean, "std": std, "resize": resize, "crop": crop}.items() if v is not None
     }
     if interpolation is not None:
         overrides["interpolation"] = Interpolation(interpolation)

@@ -101,8 +101,10 @@ def main() -> None:
         print(json.dumps(run_one(sys.argv[2])))
         return
     print(f"{setup_threads()}; head {D}→{K}, {N_FIT:,} fitting, {2 * N_TEST:,} scored features")
-    print("×fwd: fit ÷ head forward on the 50,000 fitting features; score and all ÷ head forward on the "
-          "20,000 scored features (conformal: on the 10,000 whose sets are built)")
+    print(
+        "×fwd: fit ÷ head forward on the 50,000 fitting features; score and all ÷ head forward on the "
+        "20,000 scored features (conformal: on the 10,000 whose sets are built)"
+    )
     print(f"{'':<16} {'fit s':>7} {'score s':>8} {'fit ×fwd':>9} {'score ×fwd':>11} {'all ×fwd':>9} "
           f"{'target':>7} {'peak GiB':>9}")  # fmt: skip
     rows = []

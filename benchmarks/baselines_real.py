@@ -103,8 +103,10 @@ def main() -> None:
     print("detector seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items() if "." in k and
                                             k.split(".")[0] in ("fit", "score")))  # fmt: skip
     mc = json.loads((out / "mc.json").read_text())["timings"]
-    print(f"MC(1000) link {mc['glm-mc.link']:.2f} s vs forward {mc['forward']:.2f} s "
-          f"({mc['glm-mc.link'] / mc['forward']:.2f}×) on {mc['forward_inputs']:,} inputs")
+    print(
+        f"MC(1000) link {mc['glm-mc.link']:.2f} s vs forward {mc['forward']:.2f} s "
+        f"({mc['glm-mc.link'] / mc['forward']:.2f}×) on {mc['forward_inputs']:,} inputs"
+    )
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + f"; files in {out}")
 
 

@@ -78,17 +78,19 @@ def table(model: str, ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict
         if method == "map" and rows:
             continue
         auroc = report["ood"][ood_key][method]
-        rows.append({
-            "method": method,
-            "mAP": block["map"],
-            "nll": block["nll"],
-            "ece": block["ece"],
-            "subset_accuracy": block["subset_accuracy"],
-            "auroc_max_sigmoid": auroc["max_sigmoid"]["auroc"],
-            "auroc_mi_max": auroc.get("neg_mi_max", {}).get("auroc"),
-            "fit_s": seconds.get(tag),
-            "chosen": posts[tag].meta.get("selection", {}).get("chosen") if tag in posts else None,
-        })
+        rows.append(
+            {
+                "method": method,
+                "mAP": block["map"],
+                "nll": block["nll"],
+                "ece": block["ece"],
+                "subset_accuracy": block["subset_accuracy"],
+                "auroc_max_sigmoid": auroc["max_sigmoid"]["auroc"],
+                "auroc_mi_max": auroc.get("neg_mi_max", {}).get("auroc"),
+                "fit_s": seconds.get(tag),
+                "chosen": posts[tag].meta.get("selection", {}).get("chosen") if tag in posts else None,
+            }
+        )
     return rows
 
 

@@ -103,9 +103,7 @@ def main() -> None:
         r2 = dict(leaves(json.loads(reports[2].read_text())["results"]))
         eval_diff, worst = max((abs(r1[k] - r2[k]) / max(abs(r1[k]), 1e-12), k) for k in r1)
 
-    print(
-        f"{opts.images} JPEGs, resnet18 224 px, kron; torch {torch.__version__}, {os.cpu_count()} CPUs"
-    )
+    print(f"{opts.images} JPEGs, resnet18 224 px, kron; torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(f"{'command':<12} {'processes':>9} {'wall s':>8} {'vs 1 process':>13}")
     base = {cmd: sec for cmd, procs, sec in rows if procs == 1}
     for cmd, procs, sec in rows:

@@ -136,9 +136,13 @@ def test_mc_ggn_is_unbiased(problem):
     phi_aug, w, probs, _ = problem
     exact = bernoulli_last_layer_curvature(phi_aug, w, None, "diag", "ggn").diag
     runs = 200
-    mean = sum(
-        bernoulli_last_layer_curvature(phi_aug, w, None, "diag", "ggn-mc", seed=s).diag for s in range(runs)
-    ) / runs
+    mean = (
+        sum(
+            bernoulli_last_layer_curvature(phi_aug, w, None, "diag", "ggn-mc", seed=s).diag
+            for s in range(runs)
+        )
+        / runs
+    )
     lam = probs * (1 - probs)
     var4 = lam * (probs**3 + (1 - probs) ** 3) - lam**2
     se = (var4.T @ phi_aug**4 / runs).sqrt()

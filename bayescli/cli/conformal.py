@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # annotations only: the CLI builds its help without loading t
     from bayescli.posterior.base import Posterior
 
 
-
 def _report(post: Posterior, test: Data, result: dict) -> dict:
     """The conformal report: its header, then the suite's ``result`` (single- or multi-label)."""
     return {
@@ -28,6 +27,7 @@ def _report(post: Posterior, test: Data, result: dict) -> dict:
         "data": test.info,
         **result,
     }
+
 
 def conformal_cmd(
     posterior: Annotated[Path, typer.Option(help="Posterior file from fit-laplace.")],
