@@ -1,6 +1,6 @@
 """The seed-claim benchmark's protocol helpers (benchmarks/seeds_glm.py): seed 004's prior rule
-(the δ whose validation MMC is closest to a target), per-method δ selection by validation NLL and
-the mean ± standard error over splits."""
+(the δ whose validation MMC is closest to a target), per-method δ selection by validation NLL,
+the count of choices at a grid's edge and the mean ± standard error over splits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from sklearn.metrics import log_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from seeds_glm import mean_se, mmc_matched_delta, select_by_nll  # noqa: E402
+from seeds_glm import GLM_BNN_GRID, edge_counts, mean_se, mmc_matched_delta, select_by_nll  # noqa: E402
 
 
 def test_mmc_matched_delta_picks_the_closest_grid_value() -> None:
@@ -99,3 +99,17 @@ def test_mean_se_matches_scipy_sem() -> None:
         assert mean == pytest.approx(float(np.mean(values)), rel=1e-12)
         assert se == pytest.approx(float(sem(values)), rel=1e-12)  # ddof = 1
     assert mean_se([0.25]) == (0.25, 0.0)  # one split: no spread to estimate
+
+
+def test_edge_counts_counts_each_end_of_the_grid() -> None:
+    grid = [0.1, 1.0, 10.0, 100.0]
+    assert edge_counts([0.1, 1.0, 100.0, 100.0, 10.0], grid) == (1, 2)
+    assert edge_counts(iter([1.0, 10.0]), grid) == (0, 0)  # interior only; any iterable
+    assert edge_counts([100.0], list(reversed(grid))) == (0, 1)  # the ends by value, not position
+
+
+def test_glm_bnn_grid_continues_the_seeds_grid_at_its_spacing() -> None:
+    seed_grid = np.logspace(-2, 2, 10)  # seed 003 App. B.3
+    np.testing.assert_allclose(GLM_BNN_GRID[:10], seed_grid, rtol=1e-12)
+    steps = np.diff(np.log10(GLM_BNN_GRID))
+    np.testing.assert_allclose(steps, 4 / 9, rtol=1e-9)
