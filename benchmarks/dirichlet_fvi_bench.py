@@ -44,6 +44,8 @@ from bayescli.posterior.vi.budget import head_epochs  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, default_tau, fit  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (  # noqa: E402
+    MEMBER_BUFFER_ELEMENTS,
+    MEMBER_CHUNK_ELEMENTS,
     PREDICT_CHUNK_ELEMENTS,
     DirichletFVIPosterior,
 )
@@ -72,10 +74,12 @@ def problem(seed: int = 0) -> tuple[LoadedModel, ArrayData, torch.Tensor]:
 
 
 @torch.no_grad()
-def float64_alpha(post: DirichletFVIPosterior, phi: torch.Tensor, rows: int = 1000) -> torch.Tensor:
+def float64_alpha(post: DirichletFVIPosterior, phi: torch.Tensor) -> torch.Tensor:
     """The oracle: the float64 estimator of the ensemble's float32 softmax samples (the same member
-    GEMMs; smoothing, means and logs in float64; ``torch.digamma`` Minka to |Δz| ≤ 1e−13·z)."""
+    GEMMs on the same row chunks, since a GEMM's rounding depends on its shape; smoothing, means and
+    logs in float64; ``torch.digamma`` Minka to |Δz| ≤ 1e−13·z)."""
     m, k = post.members, post.num_classes
+    rows = min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (m * k))
     alpha = torch.empty(len(phi), k, dtype=torch.float64)
     for start in range(0, len(phi), rows):
         p = phi[start : start + rows]

@@ -178,9 +178,19 @@ def test_predictive_alpha_is_the_float64_estimator(members, monkeypatch):
     float64 estimator of the same member logits' float32 softmax run to full convergence, with
     diverse, agreeing and near-identical members and overconfident inputs; the bridge's diag Σ and
     μ follow. The chunks are cut small (20-row member chunks, 7-row sample-mean passes, 9-row Minka
-    blocks) so that every boundary is crossed; to 1e−7 (the vectorised steps' tol leaves ≈ 1e−8)."""
+    blocks) so that every boundary is crossed; to 1e−7 (the vectorised steps' tol leaves ≈ 1e−8).
+    The reference takes the very logits the predictive computed: a float32 GEMM's rounding depends
+    on its shape and thread count, and moves the smallest probabilities by ~1e−6."""
     k, d, n_data = 1000, 64, 20_000
     module = "bayescli.posterior.vi.dirichlet_fvi_posterior"
+    recorded = []
+
+    def recording(params: dict, phi: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        out = ensemble_member_logits(params, phi, buffer)
+        recorded.append(out.clone())
+        return out
+
+    monkeypatch.setattr(f"{module}.ensemble_member_logits", recording)
     monkeypatch.setattr(f"{module}.MEMBER_CHUNK_ELEMENTS", 20 * k)
     monkeypatch.setattr(f"{module}.CACHE_CHUNK_ELEMENTS", 7 * k * members)
     monkeypatch.setattr(f"{module}.MINKA_CHUNK_ELEMENTS", 9 * k)
@@ -196,8 +206,10 @@ def test_predictive_alpha_is_the_float64_estimator(members, monkeypatch):
         post = DirichletFVIPosterior(
             "ensemble", Subset.LAST_LAYER, params, torch.ones(k), members, n_data, 0.01, 0.0, 0
         )
+        recorded.clear()
         lg = post.logit_gaussian(phi)
-        logits = ensemble_member_logits(params, phi, torch.empty(members, len(phi), k))
+        logits = torch.cat(recorded, 1)
+        assert logits.shape == (members, len(phi), k) and len(recorded) == 5  # 20-row chunks
         ref = old_alpha(*float64_means(logits, GAMMA), members, k, n_data)
         what = f"spread {spread}, M={members}: alpha vs the float64 estimator"
         assert_close(lg.alpha, ref, rtol=1e-7, what=what)
