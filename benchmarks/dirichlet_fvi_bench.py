@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.dirichlet import dirichlet_to_gaussian_diag, fit_precision  # noqa: E402
+from bayescli.dirichlet import dirichlet_from_samples, dirichlet_to_gaussian_diag, fit_precision  # noqa: E402
 from bayescli.fit_source import FitSource  # noqa: E402
 from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
 from bayescli.options import Subset  # noqa: E402
@@ -44,10 +44,9 @@ from bayescli.posterior.vi.budget import head_epochs  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, default_tau, fit  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (  # noqa: E402
-    MEMBER_BUFFER_ELEMENTS,
-    MEMBER_CHUNK_ELEMENTS,
     PREDICT_CHUNK_ELEMENTS,
     DirichletFVIPosterior,
+    ensemble_chunk_rows,
 )
 from bayescli.posterior.vi.dirichlet_fvi_samples import (  # noqa: E402
     ensemble_member_logits,
@@ -75,20 +74,19 @@ def problem(seed: int = 0) -> tuple[LoadedModel, ArrayData, torch.Tensor]:
 
 @torch.no_grad()
 def float64_alpha(post: DirichletFVIPosterior, phi: torch.Tensor) -> torch.Tensor:
-    """The oracle: the float64 estimator of the ensemble's float32 softmax samples (the same member
-    GEMMs on the same row chunks, since a GEMM's rounding depends on its shape; smoothing, means and
-    logs in float64; ``torch.digamma`` Minka to |Δz| ≤ 1e−13·z)."""
+    """The oracle: the float64 estimator of the ensemble's float32 softmax samples
+    (:func:`~bayescli.dirichlet.dirichlet_from_samples`: smoothing, means and logs in float64,
+    ``torch.digamma`` Minka to |Δz| ≤ 1e−13·z) on the same member GEMMs over the same row chunks,
+    since a GEMM's rounding depends on its shape."""
     m, k = post.members, post.num_classes
-    rows = min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (m * k))
+    rows = ensemble_chunk_rows(m, k, phi.device)
     alpha = torch.empty(len(phi), k, dtype=torch.float64)
     for start in range(0, len(phi), rows):
         p = phi[start : start + rows]
-        logits = ensemble_member_logits(post.params, p, torch.empty(m, len(p), k))
-        ft = torch.softmax(logits, -1).double() * (1 - post.smoothing) + post.smoothing / k
-        a_bar = ft.mean(0)
-        a_bar /= a_bar.sum(-1, keepdim=True)
-        z, _ = fit_precision(a_bar, ft.log().mean(0), m, k, post.n_data, 500, 1e-13)
-        alpha[start : start + rows] = z[:, None] * a_bar
+        probs = torch.softmax(ensemble_member_logits(post.params, p, torch.empty(m, len(p), k)), -1)
+        alpha[start : start + rows] = dirichlet_from_samples(
+            probs, 500, 1e-13, post.n_data, k, smoothing=post.smoothing
+        )
     return alpha
 
 

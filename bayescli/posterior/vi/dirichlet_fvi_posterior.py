@@ -88,6 +88,16 @@ def sample_means(
     return out
 
 
+def ensemble_chunk_rows(members: int, k: int, device: torch.device) -> int:
+    """Inputs per chunk of a head ensemble's member GEMMs (:func:`ensemble_member_logits`): on the
+    CPU ``MEMBER_CHUNK_ELEMENTS / K`` (~1,000 rows at K = 1000 keep each GEMM as fast per FLOP as
+    the plain head), within ``MEMBER_BUFFER_ELEMENTS`` for all members; on a GPU
+    ``PREDICT_CHUNK_ELEMENTS / (M·K)``."""
+    if device.type == "cpu":
+        return max(1, min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (members * k)))
+    return max(1, PREDICT_CHUNK_ELEMENTS // (members * k))
+
+
 def normalised_means(
     means: torch.Tensor, log_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,12 +225,8 @@ class DirichletFVIPosterior(Posterior):
         k = self.num_classes
         if self.family in ("ensemble", "map"):
             # one head-sized GEMM per member: its weights stay in cache, unlike the stacked [M·K, D]
-            # (on the CPU, ~1,000 rows at K = 1000 make it as fast per FLOP as the plain head)
             m = params["weight"].shape[0]
-            rows = PREDICT_CHUNK_ELEMENTS // (m * k)
-            if phi.device.type == "cpu":
-                rows = min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (m * k))
-            rows = max(1, min(rows, phi.shape[0]))
+            rows = min(ensemble_chunk_rows(m, k, phi.device), phi.shape[0])
             buffer = phi.new_empty(m, rows, k)
 
             def members(sl: slice) -> torch.Tensor:
