@@ -20,77 +20,12 @@ the CPU run's numbers exactly (same kernels, same draws). Each command is checke
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
 import pytest
-from emulated_cuda import emulated_cuda
+from device_harness import BATCHES, results, run_cli, same, same_tensors
 from tolerance import assert_close
 
 from bayescli.io import load_tensors
-
-# Every op runs the CPU's kernel on the same values in the same process, so the two runs agree to
-# the last bit here (observed difference 0). SAME leaves room for a BLAS call blocked differently
-# should the allocator align a buffer differently; a device-dependent path (other random draws,
-# a float32 detour) differs by 1e-7 or more.
-SAME = 1e-9
-BATCHES = (32, 128)  # digits:train (1,078 rows) → 34 vs 9 batches; digits:test (360) → 12 vs 3
-# Where iterative solvers read a scalar per step: the marglik root (Brent), the temperature
-# (bounded Brent), Minka's fixed point (its count of rows still moving).
-SOLVERS = (
-    "bayescli/posterior/prior.py:",
-    "bayescli/evaluation/temperature.py:",
-    " in fit_precision",
-)
-
-
-def _run(cli, *args, device: str):
-    """``bayescli ARGS --device DEVICE`` (emulated when cuda); returns (result, host reads, events)."""
-    if device == "cpu":
-        return cli(*args, "--device", "cpu"), 0, ""
-    with emulated_cuda() as stats:
-        res = cli(*args, "--device", "cuda")
-    report = stats.report()
-    reads = [line for line in report.splitlines() if not any(s in line for s in SOLVERS)]
-    return res, len(reads), report
-
-
-def _same_tensors(a: Path, b: Path) -> tuple[dict, dict]:
-    """Equal tensors in two safetensors files (to ``SAME``); returns both headers."""
-    ta, ma = load_tensors(a)
-    tb, mb = load_tensors(b)
-    assert sorted(ta) == sorted(tb)
-    for key in ta:
-        assert ta[key].device.type == "cpu" and tb[key].device.type == "cpu"  # files are device-free
-        scale = float(tb[key].double().abs().max()) if tb[key].numel() else 0.0
-        assert_close(ta[key], tb[key], rtol=SAME, atol=SAME * scale + 1e-300, what=key)
-    return ma, mb
-
-
-def _same(a, b, where: str = "") -> None:
-    """Equal JSON-like structures; floats to ``SAME`` relative."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a) == sorted(b), where
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and isinstance(b, float) and math.isfinite(a):
-        assert_close(a, b, rtol=SAME, atol=1e-300, what=where)
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, where
-
-
-def _results(path: Path) -> dict:
-    """A JSON output without what legitimately differs between devices (device, timings)."""
-    out = json.loads(path.read_text())
-    for key in ("timings", "environment"):
-        out.pop(key, None)
-    return out
 
 
 def test_fit_laplace_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, digits_ckpt, tmp_path):
@@ -99,13 +34,13 @@ def test_fit_laplace_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, d
     reads, events = {}, {}
     for bs in BATCHES:
         out = tmp_path / f"gpu{bs}.safetensors"
-        res, reads[bs], events[bs] = _run(cli, *common, "--batch-size", bs, "--out", out, device="cuda")
+        res, reads[bs], events[bs] = run_cli(cli, *common, "--batch-size", bs, "--out", out, device="cuda")
         assert res.code == 0, res.err
     cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
     assert cpu.code == 0, cpu.err
-    meta_gpu, meta_cpu = _same_tensors(tmp_path / "gpu32.safetensors", tmp_path / "cpu.safetensors")
-    _same(meta_gpu["prior_precision"], meta_cpu["prior_precision"], "prior precision")
-    _same(meta_gpu["log_likelihood"], meta_cpu["log_likelihood"], "log-likelihood")
+    meta_gpu, meta_cpu = same_tensors(tmp_path / "gpu32.safetensors", tmp_path / "cpu.safetensors")
+    same(meta_gpu["prior_precision"], meta_cpu["prior_precision"], "prior precision")
+    same(meta_gpu["log_likelihood"], meta_cpu["log_likelihood"], "log-likelihood")
     assert reads[BATCHES[0]] == reads[BATCHES[1]], f"host reads {reads}: 34 vs 9 batches\n{events[32]}"
 
 
@@ -124,16 +59,16 @@ def test_predict_on_the_device_equals_cpu_and_reads_nothing_per_batch(
     runs = {"32": ("--batch-size", 32), "128": ("--batch-size", 128), "120 rows": ("--limit", 120)}
     for name, opts in runs.items():
         out = tmp_path / f"gpu{name.split()[0]}{suffix}"
-        res, reads[name], events[name] = _run(cli, *common, *opts, "--out", out, device="cuda")
+        res, reads[name], events[name] = run_cli(cli, *common, *opts, "--out", out, device="cuda")
         assert res.code == 0, res.err
     cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / f"cpu{suffix}", "--device", "cpu")
     assert cpu.code == 0, cpu.err
     if suffix == ".jsonl":
         gpu_rows = (tmp_path / f"gpu32{suffix}").read_text().splitlines()[1:]
         cpu_rows = (tmp_path / f"cpu{suffix}").read_text().splitlines()[1:]
-        _same([json.loads(r) for r in gpu_rows], [json.loads(r) for r in cpu_rows], "rows")
+        same([json.loads(r) for r in gpu_rows], [json.loads(r) for r in cpu_rows], "rows")
     else:
-        _same_tensors(tmp_path / f"gpu32{suffix}", tmp_path / f"cpu{suffix}")
+        same_tensors(tmp_path / f"gpu32{suffix}", tmp_path / f"cpu{suffix}")
     # not per batch (12 vs 3), not per chunk or input (360 vs 120 inputs): per-input rows are
     # copied back 4,096 at a time, metrics read one scalar each
     assert len(set(reads.values())) == 1, f"host reads {reads}\n{events['32']}"
@@ -146,13 +81,13 @@ def test_evaluate_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, digi
               "--methods", "map,temp,glm-probit,glm-mc,glm-bridge,bnn-mc", "--quiet")  # fmt: skip
     reads, events = {}, {}
     for bs in BATCHES:
-        res, reads[bs], events[bs] = _run(
+        res, reads[bs], events[bs] = run_cli(
             cli, *common, "--batch-size", bs, "--out", tmp_path / f"gpu{bs}.json", device="cuda"
         )
         assert res.code == 0, res.err
     cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.json", "--device", "cpu")
     assert cpu.code == 0, cpu.err
-    _same(_results(tmp_path / "gpu32.json"), _results(tmp_path / "cpu.json"), "report")
+    same(results(tmp_path / "gpu32.json"), results(tmp_path / "cpu.json"), "report")
     assert json.loads((tmp_path / "gpu32.json").read_text())["environment"]["device"] == "cuda"
     # every suite reads its metrics' scalars once: nothing scales with the 12 vs 3 batches
     assert reads[BATCHES[0]] == reads[BATCHES[1]], f"host reads {reads}\n{events[32]}"
@@ -164,13 +99,13 @@ def test_set_commands_on_the_device_equal_cpu(cli, digits_posterior, tmp_path, c
     common = (command, "--posterior", digits_posterior, "--data", "digits:test", *extra, "--quiet")
     reads = {}
     for bs in BATCHES:
-        res, reads[bs], _ = _run(
+        res, reads[bs], _ = run_cli(
             cli, *common, "--batch-size", bs, "--out", tmp_path / f"gpu{bs}.json", device="cuda"
         )
         assert res.code == 0, res.err
     cpu = cli(*common, "--batch-size", 32, "--out", tmp_path / "cpu.json", "--device", "cpu")
     assert cpu.code == 0, cpu.err
-    _same(_results(tmp_path / "gpu32.json"), _results(tmp_path / "cpu.json"), command)
+    same(results(tmp_path / "gpu32.json"), results(tmp_path / "cpu.json"), command)
     assert reads[BATCHES[0]] == reads[BATCHES[1]], reads
 
 
@@ -180,11 +115,11 @@ def test_fit_vi_runs_on_the_device_and_equals_cpu(cli, digits_ckpt, tmp_path, me
     # after one copy of the features (GLM VI, GGP VI): either way the same file as on the CPU.
     common = ("fit-vi", "--method", method, "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt,
               "--data", "digits:train", "--quiet")  # fmt: skip
-    res, _, _ = _run(cli, *common, "--out", tmp_path / "gpu.safetensors", device="cuda")
+    res, _, _ = run_cli(cli, *common, "--out", tmp_path / "gpu.safetensors", device="cuda")
     assert res.code == 0, res.err
     cpu = cli(*common, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
     assert cpu.code == 0, cpu.err
-    _same_tensors(tmp_path / "gpu.safetensors", tmp_path / "cpu.safetensors")
+    same_tensors(tmp_path / "gpu.safetensors", tmp_path / "cpu.safetensors")
 
 
 def test_dirichlet_fvi_predictive_on_the_device_equals_cpu_in_few_large_chunks(
@@ -202,7 +137,7 @@ def test_dirichlet_fvi_predictive_on_the_device_equals_cpu_in_few_large_chunks(
     reads = {}
     for limit in (360, 120):
         out = tmp_path / f"gpu{limit}.safetensors"
-        res, reads[limit], events = _run(cli, *common, "--limit", limit, "--out", out, device="cuda")
+        res, reads[limit], events = run_cli(cli, *common, "--limit", limit, "--out", out, device="cuda")
         assert res.code == 0, res.err
     cpu = cli(*common, "--limit", 360, "--out", tmp_path / "cpu.safetensors", "--device", "cpu")
     assert cpu.code == 0, cpu.err
