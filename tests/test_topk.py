@@ -84,3 +84,61 @@ def test_set_accuracy_uses_the_sets_not_the_probability_ranking():
     top_size = np.mean([int(labels[i]) in ranked[i, : len(s)].tolist() for i, s in enumerate(sets)])
     assert direct == 2 / 3 and top_size == 1 / 3  # the two readings differ on this table
     assert topk_summary(sets, probs, labels, max_k=3)["set_accuracy"] == direct
+
+
+def test_beta_marginals_match_scipy_below_and_their_limits_above_the_exact_range():
+    from scipy.stats import norm
+
+    from bayescli.predictive import topk
+
+    a = np.array([0.3, 5.0, 150.0, 2e3])
+    b = np.array([40.0, 900.0, 4e4, 9e4])
+    got = topk.BetaMarginals(a, b).ppf(0.975)
+    assert np.allclose(got, beta(a, b).ppf(0.975), rtol=1e-12, atol=0)
+    # α₀ = 1e12: both sides large → normal with the Beta's mean and variance; a small side → the
+    # Gamma limit G/(G + b); an infinite side → a point mass
+    big_a, big_b = np.array([3e11, 2.0, 1e12, np.inf, 7.0]), np.array([7e11, 1e12, 4.0, 5.0, np.inf])
+    marg = topk.BetaMarginals(big_a, big_b)
+    assert not marg.exact.any()
+    q = marg.ppf(0.025)
+    m = 0.3
+    assert np.isclose(q[0], m + norm.ppf(0.025) * np.sqrt(m * (1 - m) / (1e12 + 1)), rtol=1e-12)
+    # where scipy is still usable (slowly) the limits agree with it to a part in 1e6 of the spread
+    exact = beta(big_a[:3], big_b[:3]).ppf(0.025)
+    spread = beta(big_a[:3], big_b[:3]).std()
+    assert np.all(np.abs(q[:3] - exact) <= 1e-3 * spread), (q[:3] - exact) / spread
+    assert q[3] == 1.0 and q[4] == 0.0
+
+
+def test_confident_dirichlets_take_no_slow_scipy_path_and_warn_nothing(monkeypatch):
+    import warnings
+
+    from bayescli.predictive import conformal, topk
+
+    def slow(a, b, q):
+        assert not np.size(a), f"scipy's exact Beta at α₀ = {np.add(a, b).max():.3g}"
+        return np.zeros(0)
+
+    gen = torch.Generator().manual_seed(1)
+    alpha = torch.rand(300, 10, generator=gen, dtype=torch.float64) * 1e12 + 1e9
+    alpha[:100, 3] = torch.inf  # a point-mass bridge: α overflowed on the top class
+    alpha[100:150] = torch.inf  # every class infinite: a uniform point mass
+    monkeypatch.setattr(topk, "betaincinv", slow)
+    monkeypatch.setattr(topk, "betainc", slow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        order, k = topk.topk_sizes(alpha, 0.05, 10)
+        curve = conformal.TopkCurve(alpha, None)
+    assert (order[:100, 0] == 3).all() and (k[:100] == 1).all()
+    # a uniform point mass: equal values never overlap strictly (Algorithm 1's ">")
+    assert (k[100:150] == 1).all() and (curve.sizes(1e-9)[:150] == 1).all()
+    # the finite rows: the limits' sizes (normal marginals) by the direct comparison
+    m = alpha[150:].numpy() / alpha[150:].numpy().sum(1, keepdims=True)
+    a0 = alpha[150:].numpy().sum(1, keepdims=True)
+    s = np.sqrt(m * (1 - m) / (a0 + 1))
+    srt = np.argsort(-m, axis=1, kind="stable")
+    ms, ss = np.take_along_axis(m, srt, 1), np.take_along_axis(s, srt, 1)
+    z = 1.959963984540054
+    overlap = ms[:, 1:] + z * ss[:, 1:] > ms[:, :-1] - z * ss[:, :-1]
+    assert np.array_equal(k[150:], 1 + np.cumprod(overlap, axis=1).sum(1))
+    assert np.array_equal(curve.sizes(0.05)[150:], k[150:])

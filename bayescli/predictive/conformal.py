@@ -30,6 +30,7 @@ import torch
 from scipy.special import betaincinv
 
 from bayescli.errors import BayescliError
+from bayescli.predictive.topk import overlap_levels, sorted_marginals
 
 T_RANGE = (1e-12, 1 - 1e-9)  # overlap levels searched by TopkCurve
 
@@ -188,26 +189,15 @@ class TopkCurve:
     Class ``i+1`` (by descending ``α``) overlaps class ``i`` while ``T < T*_i``: the upper
     ``T/2`` quantile of its Beta marginal decreases and the lower one of class ``i`` increases
     with ``T``. With ``m_j = min_{i ≤ j} T*_i`` the set size is ``k(T) = 1 + #{j : m_j > T}``,
-    so the ``T`` that gives any mean set size is read off the sorted ``m`` (bisection on
-    ``log T`` finds each ``T*_i``, all inputs at once).
+    so the ``T`` that gives any mean set size is read off the sorted ``m``
+    (:func:`~bayescli.predictive.topk.overlap_levels` finds every ``T*_i`` at once, ``O(NK)`` at
+    any ``α``).
     """
 
-    def __init__(self, alpha: torch.Tensor, labels: torch.Tensor | None, max_k: int = 20, steps: int = 50):
-        a = alpha.double().cpu().numpy()
-        self.kmax = max(1, min(max_k, a.shape[1]))
-        self.order = np.argsort(-a, axis=1, kind="stable")[:, : self.kmax]
-        a_sorted = np.take_along_axis(a, self.order, axis=1)
-        rest = a.sum(1, keepdims=True) - a_sorted
-        prev, prev_rest, cur, cur_rest = a_sorted[:, :-1], rest[:, :-1], a_sorted[:, 1:], rest[:, 1:]
-        lo = np.full(prev.shape, math.log(T_RANGE[0]))
-        hi = np.full(prev.shape, math.log(T_RANGE[1]))
-        for _ in range(steps):
-            mid = 0.5 * (lo + hi)
-            t = np.exp(mid)
-            overlap = betaincinv(cur, cur_rest, 1 - t / 2) > betaincinv(prev, prev_rest, t / 2)
-            lo, hi = np.where(overlap, mid, lo), np.where(overlap, hi, mid)
-        # lo is the largest level known to overlap; where it never moved, no level in range does
-        t_star = np.where(lo > math.log(T_RANGE[0]), np.exp(lo), 0.0)
+    def __init__(self, alpha: torch.Tensor, labels: torch.Tensor | None, max_k: int = 20):
+        self.order, marg = sorted_marginals(alpha, max_k)
+        self.kmax = self.order.shape[1]
+        t_star = overlap_levels(marg, T_RANGE) if self.kmax > 1 else np.zeros((len(self.order), 0))
         self.critical = np.minimum.accumulate(t_star, axis=1)  # m_j [N, kmax-1]
         self.labels = None if labels is None else labels.cpu().numpy()
 
