@@ -1,7 +1,10 @@
 """Metric functions on predicted probabilities ``probs [N, K]`` and labels ``y [N]``.
 
 Protocol (DESIGN §4, recorded in every report): NLL is the mean negative log-probability of the
-true class (probabilities clamped at 1e-12); Brier is Σ_k (p_k − y_k)² averaged over inputs;
+true class, exact: from log-probabilities where the caller has them (:func:`log_probabilities`),
+else from the float64 log of the probabilities, floored only where a probability underflowed to 0
+(no cap: a confidently wrong input counts its full ``−log p``); Brier is Σ_k (p_k − y_k)²
+averaged over inputs;
 ECE uses 15 equal-width bins of the top-label confidence, right-closed ``(lo, hi]`` with
 confidence 1.0 in the last bin; MCE is the largest bin gap of the same bins; adaptive ECE uses
 15 equal-mass bins; classwise ECE bins each class's probability the same way and averages the
@@ -27,7 +30,7 @@ PROTOCOL = {
     "adaptive_ece": "15 equal-mass bins of top-label confidence",
     "classwise_ece": "15 equal-width bins per class probability, mean over classes",
     "brier": "sum over classes, mean over inputs",
-    "nll": "mean -log p(y), p clamped at 1e-12",
+    "nll": "mean -log p(y), exact (no clamp; an underflowed p = 0 counts as the smallest float64)",
     "entropy": "nats",
 }
 
@@ -54,10 +57,27 @@ def map_probabilities(logits: torch.Tensor, likelihood: str) -> torch.Tensor:
     return logits.sigmoid() if likelihood == "bernoulli" else logits.softmax(-1)
 
 
-def nll(probs: torch.Tensor, y: torch.Tensor) -> float:
-    """Mean negative log-likelihood of the labels."""
-    p = probs.double().gather(1, y.to(probs.device).view(-1, 1)).clamp_min(1e-12)
-    return -p.log().mean().item()
+# The smallest positive float64: only a probability that underflowed to exactly 0 is raised to it
+# (−log = 708 nats), so the NLL stays finite; every representable probability counts exactly.
+PROB_TINY = torch.finfo(torch.float64).tiny
+
+
+def log_probabilities(probs: torch.Tensor) -> torch.Tensor:
+    """``log p`` ``[N, K]`` in float64 of ``probs [N, K]`` (a 0 counts as :data:`PROB_TINY`)."""
+    return probs.double().clamp_min(PROB_TINY).log()
+
+
+def map_log_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """MAP's log-probabilities ``[N, K]`` (float64 log-softmax of ``logits [N, K]``): exact where
+    the softmax saturates (a wrong class at margin 800 is −800, not ``log 0``)."""
+    return logits.double().log_softmax(-1)
+
+
+def nll(probs: torch.Tensor, y: torch.Tensor, log_probs: torch.Tensor | None = None) -> float:
+    """Mean negative log-likelihood of the labels ``y [N]``: from ``log_probs [N, K]`` when given
+    (exact at any confidence), else from ``probs [N, K]`` (:func:`log_probabilities`)."""
+    logp = log_probabilities(probs) if log_probs is None else log_probs.double()
+    return -logp.gather(1, y.to(logp.device).view(-1, 1)).mean().item()
 
 
 def brier(probs: torch.Tensor, y: torch.Tensor) -> float:
@@ -126,13 +146,16 @@ def classwise_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) ->
     return (gap.abs().sum() / (n * k)).item()
 
 
-def classification_summary(probs: torch.Tensor, y: torch.Tensor | None) -> dict[str, float]:
-    """Accuracy, NLL, Brier, ECE (when labels are known), MMC and mean entropy."""
+def classification_summary(
+    probs: torch.Tensor, y: torch.Tensor | None, log_probs: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Accuracy, NLL (from ``log_probs`` when given), Brier, ECE (when labels are known), MMC and
+    mean entropy."""
     out: dict[str, float] = {}
     if y is not None:
         out |= {
             "accuracy": accuracy(probs, y),
-            "nll": nll(probs, y),
+            "nll": nll(probs, y, log_probs),
             "brier": brier(probs, y),
             "ece": ece(probs, y),
         }

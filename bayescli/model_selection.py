@@ -24,7 +24,7 @@ from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
 from bayescli.fitting import DataOptions, fit_posterior
 from bayescli.io import write_json
-from bayescli.metrics import accuracy, brier, ece, nll, ood_metrics
+from bayescli.metrics import accuracy, brier, ece, map_log_probabilities, nll, ood_metrics
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
@@ -55,10 +55,13 @@ class SelectOptions:
             method_entry(name)  # an unknown name is an error listing the known ones
 
 
-def score_probs(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Validation accuracy, NLL, ECE and Brier of ``probs [N, K]``."""
+def score_probs(
+    probs: torch.Tensor, labels: torch.Tensor, log_probs: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Validation accuracy, NLL (from ``log_probs [N, K]`` when given), ECE and Brier of ``probs [N, K]``."""
     p, y = probs.detach().double().cpu(), labels.cpu()
-    return {"accuracy": accuracy(p, y), "nll": nll(p, y), "ece": ece(p, y), "brier": brier(p, y)}
+    logp = None if log_probs is None else log_probs.detach().cpu()
+    return {"accuracy": accuracy(p, y), "nll": nll(p, y, logp), "ece": ece(p, y), "brier": brier(p, y)}
 
 
 def _auroc(probs_in: torch.Tensor, probs_out: torch.Tensor) -> float:
@@ -91,7 +94,7 @@ def select(
     ood_feats = {name: source.features(data) for name, data in ood.items()}
     map_probs = val.logits.softmax(-1)
     map_row = {
-        **score_probs(map_probs, labels),
+        **score_probs(map_probs, labels, map_log_probabilities(val.logits)),
         "auroc": {name: _auroc(map_probs, f.logits.softmax(-1)) for name, f in ood_feats.items()},
     }
     rows: dict[str, dict] = {}

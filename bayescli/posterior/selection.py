@@ -38,15 +38,19 @@ TIE = 1e-6
 P = TypeVar("P")
 
 
-def scores(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Every criterion of ``probs [N, K]`` against ``labels [N]`` (softmax), or against multi-label
-    ``labels [N, K]`` (per-label probabilities; each criterion the mean over the ``K`` labels)."""
+def scores(
+    probs: torch.Tensor, labels: torch.Tensor, log_probs: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Every criterion of ``probs [N, K]`` against ``labels [N]`` (softmax; the NLL from
+    ``log_probs [N, K]`` when given, exact at any confidence), or against multi-label ``labels
+    [N, K]`` (per-label probabilities; each criterion the mean over the ``K`` labels)."""
     probs, labels = probs.detach().double().cpu(), labels.cpu()
     if labels.dim() == 2:
         check_multilabel(probs, labels)
         per_label = {"nll": per_label_nll, "ece": per_label_ece, "brier": per_label_brier}
         return {name: float(fn(probs, labels).mean()) for name, fn in per_label.items()}
-    return {"nll": nll(probs, labels), "ece": ece(probs, labels), "brier": brier(probs, labels)}
+    logp = None if log_probs is None else log_probs.detach().cpu()
+    return {"nll": nll(probs, labels, logp), "ece": ece(probs, labels), "brier": brier(probs, labels)}
 
 
 @dataclass

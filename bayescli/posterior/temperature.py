@@ -20,6 +20,7 @@ import torch
 
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
+from bayescli.metrics import map_log_probabilities
 from bayescli.options import Criterion, Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
@@ -133,7 +134,8 @@ def fit_temperature(
 
     def score(temperature: float) -> float:
         if temperature not in curve:
-            curve[temperature] = scores((z / temperature).softmax(-1), y)
+            logp = map_log_probabilities(z / temperature)
+            curve[temperature] = scores(logp.exp(), y, logp)
         return curve[temperature][criterion.value]
 
     lo, hi = bounds
