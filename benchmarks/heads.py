@@ -50,8 +50,10 @@ LT_PACKAGES = [
 
 
 def problem(
-    d: int, k: int, seed: int = 0, n_train: int = N_TRAIN, n_test: int = N_TEST
+    d: int, k: int, seed: int = 0, n_train: int | None = None, n_test: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Linear]:
+    n_train = N_TRAIN if n_train is None else n_train
+    n_test = N_TEST if n_test is None else n_test
     gen = torch.Generator().manual_seed(seed)
     phi = torch.randn(n_train + n_test, d, generator=gen).relu()
     head = torch.nn.Linear(d, k)
@@ -62,7 +64,9 @@ def problem(
     return phi[:n_train], phi[n_train:], labels, head
 
 
-def run_config(d: int, k: int, device: str = "cpu", n_train: int = N_TRAIN, n_test: int = N_TEST) -> dict:
+def run_config(
+    d: int, k: int, device: str = "cpu", n_train: int | None = None, n_test: int | None = None
+) -> dict:
     dev = torch.device(device)
     train, test, labels, head = (t.to(dev) for t in problem(d, k, n_train=n_train, n_test=n_test))
     if dev.type == "cuda":
