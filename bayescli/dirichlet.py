@@ -251,7 +251,13 @@ def minka_iterate(
     ``ψ`` is evaluated in float64; ``ψ₁``, which sets only the step length and not the root, in
     ``trigamma_dtype``. Rows stop once ``|Δz| ≤ tol·z`` and are masked out of later iterations.
     Returns ``z`` and the iterations of the slowest row.
+
+    On a CPU the rows still moving are gathered each iteration (reading their count back is
+    free there); on a GPU that read would stall the queue once per iteration, so there every row
+    takes every step with the converged ones frozen (:func:`_minka_iterate_masked`).
     """
+    if z.device.type != "cpu":
+        return _minka_iterate_masked(z, a_bar, cross, lo, hi, tol, max_iter, trigamma_dtype)
     n = z.shape[0]
     ab_sq_all = a_bar.to(trigamma_dtype).square()
     active = torch.arange(n, device=a_bar.device)
@@ -273,6 +279,47 @@ def minka_iterate(
         active = active[moving]
         iterations += 1
     return z, iterations
+
+
+# Steps between two reads of "is any row still moving?" in the masked fixed point: a GPU runs
+# this many steps (cheap, queued) per host read; the exact loop typically ends within a few.
+MINKA_STEPS_PER_READ = 8
+
+
+def _minka_iterate_masked(
+    z: torch.Tensor,
+    a_bar: torch.Tensor,
+    cross: torch.Tensor,
+    lo: float,
+    hi: float,
+    tol: float,
+    max_iter: int,
+    trigamma_dtype: torch.dtype,
+    active: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """:func:`minka_iterate`'s steps for every row at once, on any device: a row's ``z`` stops
+    changing (``torch.where``) once its step moved it by ``≤ tol·z``, exactly where the gathered
+    loop drops it, so each row takes the same steps. ``active [N]`` (bool) marks the rows that
+    still move at the start (all if ``None``). Host reads: one before each ``MINKA_STEPS_PER_READ``
+    steps, one more for the slowest row's count if any step was taken."""
+    z = z.clone()
+    ab_sq = a_bar.to(trigamma_dtype).square()
+    active = torch.ones_like(z, dtype=torch.bool) if active is None else active.clone()
+    steps = torch.zeros_like(z, dtype=torch.int32)
+    iterations = 0
+    while iterations < max_iter and bool(active.any()):
+        for _ in range(min(MINKA_STEPS_PER_READ, max_iter - iterations)):
+            zab = z[:, None] * a_bar
+            d1 = torch.digamma(z) - (a_bar * torch.digamma(zab)).sum(-1) + cross
+            psi1 = torch.polygamma(1, zab.to(trigamma_dtype))
+            d2 = torch.polygamma(1, z) - (ab_sq * psi1).sum(-1, dtype=torch.float64)
+            z_new = minka_step(z, d1, d2, lo, hi)
+            steps += active
+            moving = active & ((z_new - z).abs() > tol * z)
+            z = torch.where(active, z_new, z)
+            active = moving
+            iterations += 1
+    return z, int(steps.max()) if iterations else 0
 
 
 # ψ(y) − ln y + 1/(2y) = −Σ_j c_j y^(−2j) with c_j = B_2j/(2j), and ψ₁(y) − 1/y − 1/(2y²) = Σ_j B_2j y^(−2j−1)
@@ -397,7 +444,12 @@ def fit_precision_vectorised(
         d1 = (2 * g[:, k] - g.sum(-1)).double() + spread
         d2 = (2 * h[:, k] - h.sum(-1)).double()
         z_prev, z = z, minka_step(z, d1, d2, lo, hi)
-    moving = ((z - z_prev).abs() > tol * z_prev).nonzero().squeeze(1)
+    moving = (z - z_prev).abs() > tol * z_prev
+    if z.device.type != "cpu":
+        # no gather of the stragglers (its size is a host read): every row, the others frozen
+        cross = (a_bar * a_log).sum(-1)
+        return _minka_iterate_masked(z, a_bar, cross, lo, hi, tol, max_iter, torch.float64, moving)
+    moving = moving.nonzero().squeeze(1)
     if not moving.numel():
         return z, 0
     a_moving = a_bar[moving]

@@ -9,11 +9,14 @@
     (half a count added to every cell so that the KL is finite). Prints the M at which sampling
     first matches the bridge.
 
-Run: ``python benchmarks/bridge.py``
+Run: ``python benchmarks/bridge.py [--device cpu|cuda] [--inputs N] [--speed-only]`` (the speed
+table is labelled with the device; on CUDA every tensor and draw lives on the device and each
+timing starts and ends with an idle queue).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from scipy.stats import dirichlet as sp_dirichlet
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, setup_threads  # noqa: E402
 
+from bayescli import devices  # noqa: E402
+from bayescli.errors import BayescliError  # noqa: E402
 from bayescli.posterior.gaussian import LogitGaussian  # noqa: E402
 from bayescli.predictive.dirichlet import laplace_bridge  # noqa: E402
 from bayescli.predictive.links import bridge, monte_carlo  # noqa: E402
@@ -32,32 +37,42 @@ GRID = 60  # cells per simplex edge
 SUB = 4  # sub-points per cell edge for integrating the Dirichlet density
 
 
-def speed_ratios(ks: tuple[int, ...] = (10, 100, 1000), inputs: int = 10_000) -> list[dict[str, float]]:
-    """Bridge vs MC(1000) wall time on ``inputs`` diagonal logit Gaussians per K: ``{k, bridge_s,
-    mc_s, ratio}``; at K = 1000 MC is timed on a tenth of the inputs and scaled (linear in N)."""
+def speed_ratios(
+    ks: tuple[int, ...] = (10, 100, 1000), inputs: int = 10_000, device: str = "cpu"
+) -> list[dict[str, float]]:
+    """Bridge vs MC(1000) wall time on ``inputs`` diagonal logit Gaussians per K on ``device``:
+    ``{k, bridge_s, mc_s, ratio}``; on the CPU at K = 1000 MC is timed on a tenth of the inputs and
+    scaled (linear in N)."""
+    dev = torch.device(device)
     out = []
     for k in ks:
         gen = torch.Generator().manual_seed(k)
         lg = LogitGaussian(
-            3 * torch.randn(inputs, k, generator=gen), torch.rand(inputs, k, generator=gen) + 0.1
+            (3 * torch.randn(inputs, k, generator=gen)).to(dev),
+            (torch.rand(inputs, k, generator=gen) + 0.1).to(dev),
         )
-        t_lb = best_of(lambda lg=lg: bridge(lg), repeat=5)
-        # MC cost is linear in the inputs: at K=1000 time a tenth of them and scale (saves ~2.5 min).
-        n_mc = inputs if k < 1000 else inputs // 10
+        t_lb = best_of(lambda lg=lg: bridge(lg), repeat=5, device=dev)
+        # MC cost is linear in the inputs: at K=1000 on a CPU time a tenth of them and scale (saves ~2.5 min).
+        n_mc = inputs if k < 1000 or dev.type == "cuda" else inputs // 10
         part = lg.slice(slice(0, n_mc))
-        t_mc = best_of(lambda part=part: monte_carlo(part, 1000, torch.Generator().manual_seed(0)), repeat=1)
+        t_mc = best_of(
+            lambda part=part: monte_carlo(part, 1000, devices.generator(dev, 0)), repeat=1, device=dev
+        )
         t_mc *= inputs / n_mc
         out.append({"k": k, "bridge_s": t_lb, "mc_s": t_mc, "ratio": t_mc / t_lb, "mc_inputs": n_mc})
     return out
 
 
-def speed() -> None:
-    print(f"# (a) speed, 10,000 inputs, {setup_threads()}")
-    print("K | bridge ms | MC(1000) s | ratio")
-    for r in speed_ratios():
-        note = "" if r["mc_inputs"] == 10_000 else f" (timed on {r['mc_inputs']:,} inputs, scaled)"
-        print(f"{r['k']} | {1e3 * r['bridge_s']:.2f} | {r['mc_s']:.2f}{note} | {r['ratio']:,.0f}×")
-    print("target: ≥ 400× (the seed's GPU figure)")
+def speed(device: str = "cpu", inputs: int = 10_000) -> None:
+    where = f"on {device}" + (
+        f" ({torch.cuda.get_device_name()})" if device == "cuda" else f", {setup_threads()}"
+    )
+    print(f"# (a) speed, {inputs:,} inputs, {where}")
+    print("device | K | bridge ms | MC(1000) s | MC / bridge")
+    for r in speed_ratios(inputs=inputs, device=device):
+        note = "" if r["mc_inputs"] == inputs else f" (timed on {r['mc_inputs']:,} inputs, scaled)"
+        print(f"{device} | {r['k']} | {1e3 * r['bridge_s']:.2f} | {r['mc_s']:.3f}{note} | {r['ratio']:,.0f}×")
+    print("target: ≥ 400× at every K on an H100/H200 (the seed's GPU figure)")
 
 
 def cell_index(p: np.ndarray) -> np.ndarray:
@@ -145,6 +160,21 @@ def quality() -> None:
     print("seed: sampling matches the bridge somewhere between 750 and 10k samples")
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Laplace bridge vs Monte Carlo: speed and quality.")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--inputs", type=int, default=10_000, help="inputs of the speed table")
+    parser.add_argument("--speed-only", action="store_true", help="skip the (CPU) quality table")
+    args = parser.parse_args(argv)
+    try:
+        devices.resolve_device(args.device)
+    except BayescliError as err:
+        print(f"bridge.py: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    speed(args.device, args.inputs)
+    if not args.speed_only:
+        quality()
+
+
 if __name__ == "__main__":
-    speed()
-    quality()
+    main()

@@ -5,12 +5,16 @@ Synthetic post-ReLU features, N_train = 20,000 and N_test = 10,000, for D→K in
 memory is its own. At 256→100 the predictive is also timed against laplace-torch's last-layer
 kron GLM predictive (installed only for this benchmark, see ``laplace_torch_env``).
 
-Run: ``python benchmarks/heads.py [--device cuda]`` (or ``make bench``). On a GPU every tensor,
-the fit and the predictive live on the device (peak memory is then the device's).
+Run: ``python benchmarks/heads.py [--device cpu|cuda] [--configs 2048x1000,...] [--n-train N]
+[--n-test N]`` (or ``make bench``). On a GPU every tensor, the fit and the predictive live on the
+device (peak memory is then the device's) and each timing starts and ends with an idle queue.
+The table is labelled with the device; its last columns are the GLM + bridge predictive against
+the GLM + probit one and the head forward (target at 2048→1000 on an H100/H200: bridge ≤ 2× probit).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -22,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, peak_rss_gib, setup_threads  # noqa: E402
 
+from bayescli import devices  # noqa: E402
+from bayescli.errors import BayescliError  # noqa: E402
 from bayescli.posterior.laplace import LaplacePosterior  # noqa: E402
 from bayescli.predictive.links import bridge, probit  # noqa: E402
 
@@ -44,21 +50,25 @@ LT_PACKAGES = [
 
 
 def problem(
-    d: int, k: int, seed: int = 0
+    d: int, k: int, seed: int = 0, n_train: int | None = None, n_test: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Linear]:
+    n_train = N_TRAIN if n_train is None else n_train
+    n_test = N_TEST if n_test is None else n_test
     gen = torch.Generator().manual_seed(seed)
-    phi = torch.randn(N_TRAIN + N_TEST, d, generator=gen).relu()
+    phi = torch.randn(n_train + n_test, d, generator=gen).relu()
     head = torch.nn.Linear(d, k)
     with torch.no_grad():
         head.weight.copy_(torch.randn(k, d, generator=gen) * 3 / d**0.5)
         head.bias.zero_()
-        labels = head(phi[:N_TRAIN]).softmax(-1).multinomial(1, generator=gen).squeeze(1)
-    return phi[:N_TRAIN], phi[N_TRAIN:], labels, head
+        labels = head(phi[:n_train]).softmax(-1).multinomial(1, generator=gen).squeeze(1)
+    return phi[:n_train], phi[n_train:], labels, head
 
 
-def run_config(d: int, k: int, device: str = "cpu") -> dict:
+def run_config(
+    d: int, k: int, device: str = "cpu", n_train: int | None = None, n_test: int | None = None
+) -> dict:
     dev = torch.device(device)
-    train, test, labels, head = (t.to(dev) for t in problem(d, k))
+    train, test, labels, head = (t.to(dev) for t in problem(d, k, n_train=n_train, n_test=n_test))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     with torch.no_grad():
@@ -128,10 +138,16 @@ def child(args: list[str], pythonpath: Path | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main(device: str = "cpu") -> None:
+def main(
+    device: str = "cpu",
+    configs: list[tuple[int, int]] = CONFIGS,
+    n_train: int = N_TRAIN,
+    n_test: int = N_TEST,
+) -> None:
     where = f"on {device}" if device != "cpu" else setup_threads()
-    print(f"# head scaling: N_train={N_TRAIN}, N_test={N_TEST}, {where}")
+    print(f"# head scaling: N_train={n_train}, N_test={n_test}, {where}")
     header = (
+        "device",
         "D→K",
         "fwd(test) ms",
         "fit diag ×",
@@ -139,17 +155,19 @@ def main(device: str = "cpu") -> None:
         "probit diag ×",
         "probit kron ×",
         "bridge kron ×",
+        "bridge / probit (kron)",
         "peak GiB",
     )
     print(" | ".join(header))
-    for d, k in CONFIGS:
-        r = child(["--config", str(d), str(k), device])
+    for d, k in configs:
+        r = child(["--config", str(d), str(k), device, str(n_train), str(n_test)])
         if "error" in r:
-            print(f"{d}→{k} | error: {r['error']}")
+            print(f"{device} | {d}→{k} | error: {r['error']}")
             continue
         print(
             " | ".join(
                 [
+                    device,
                     f"{d}→{k}",
                     f"{1e3 * r['forward_test_s']:.2f}",
                     f"{r['fit_diag_s'] / r['forward_train_s']:.1f} ({r['fit_diag_s']:.2f}s)",
@@ -157,13 +175,17 @@ def main(device: str = "cpu") -> None:
                     f"{r['glm_probit_diag_s'] / r['forward_test_s']:.2f}",
                     f"{r['glm_probit_kron_s'] / r['forward_test_s']:.2f}",
                     f"{r['glm_bridge_kron_s'] / r['forward_test_s']:.2f}",
+                    f"{r['glm_bridge_kron_s'] / r['glm_probit_kron_s']:.2f}",
                     f"{r['peak_rss_gib']:.2f}",
                 ]
             )
         )
-    print("targets (2048→1000): fit kron ≤ 15×, predictive ≤ 6×, peak ≤ 3 GiB")
-    if device != "cpu":
-        return  # the laplace-torch comparison is a CPU measurement
+    print(
+        "targets (2048→1000): fit kron ≤ 15×, predictive ≤ 6×, peak ≤ 3 GiB; on an H100/H200 "
+        "GLM + bridge ≤ 2× GLM + probit"
+    )
+    if device != "cpu" or (256, 100) not in configs:
+        return  # the laplace-torch comparison is a CPU measurement at 256→100
     lt = laplace_torch_env()
     if lt is None:
         print("laplace-torch: could not be installed here; comparison skipped")
@@ -179,10 +201,31 @@ def main(device: str = "cpu") -> None:
     )
 
 
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """``"2048x1000,256x100"`` → ``[(2048, 1000), (256, 100)]``."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
+def cli(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Last-layer Laplace cost as ratios to the head forward.")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--configs", type=parse_configs, default=CONFIGS, help="D×K list, e.g. 2048x1000")
+    parser.add_argument("--n-train", type=int, default=N_TRAIN)
+    parser.add_argument("--n-test", type=int, default=N_TEST)
+    args = parser.parse_args(argv)
+    try:
+        devices.resolve_device(args.device)
+    except BayescliError as err:
+        print(f"heads.py: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    main(args.device, args.configs, args.n_train, args.n_test)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--config":
-        print(json.dumps(run_config(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+        d, k, device, *sizes = sys.argv[2:]
+        print(json.dumps(run_config(int(d), int(k), device, *(int(v) for v in sizes))))
     elif len(sys.argv) > 1 and sys.argv[1] == "--laplace-torch":
         print(json.dumps(run_laplace_torch()))
     else:
-        main(sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--device" else "cpu")
+        cli()

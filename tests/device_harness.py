@@ -29,6 +29,7 @@ SOLVERS = (
     "bayescli/posterior/prior.py:",
     "bayescli/evaluation/temperature.py:",
     " in fit_precision",
+    " in _minka_iterate_masked",
 )
 
 

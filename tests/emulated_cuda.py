@@ -807,6 +807,7 @@ def _stubs(patch_generator: bool) -> list[tuple[Any, str, Any]]:
         (cuda, "reset_peak_memory_stats", lambda device=None: None),
         (cuda, "max_memory_allocated", lambda device=None: 0),
         (cuda, "memory_allocated", lambda device=None: 0),
+        (cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30)),  # (free, total): an H100
         (cuda, "manual_seed", _seed_cpu),
         (cuda, "manual_seed_all", _seed_cpu),
         (cuda, "get_device_name", lambda device=None: "emulated"),

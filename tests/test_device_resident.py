@@ -26,6 +26,7 @@ from device_harness import BATCHES, results, run_cli, same, same_tensors
 from tolerance import assert_close
 
 from bayescli.io import load_tensors
+from bayescli.predictive import links
 
 
 def test_fit_laplace_on_the_device_equals_cpu_and_reads_nothing_per_batch(cli, digits_ckpt, tmp_path):
@@ -51,8 +52,12 @@ def test_predict_on_the_device_equals_cpu_and_reads_nothing_per_batch(
     cli, digits_posterior, tmp_path, monkeypatch, link, suffix
 ):
     # 500 MC samples: the MC link's chunks hold 52 inputs, so 360 vs 120 inputs are 7 vs 3 chunks;
-    # the bridge's chunks are cut to 50 inputs for the same reason (8 vs 3)
+    # the bridge's chunks are cut to 50 inputs for the same reason (8 vs 3). On "cuda" a chunk is
+    # the device's budget (devices.chunk_elements), cut to the same rows: 10 classes, BRIDGE_BYTES
+    # a number; 500 × 10 draws of MC_BUFFERS float32 buffers
     monkeypatch.setattr("bayescli.predictive.links.BRIDGE_CHUNK_ELEMENTS", 500)
+    budget = {"bridge": 50 * 10 * links.BRIDGE_BYTES, "mc": 52 * 500 * 10 * links.MC_BUFFERS * 4}
+    monkeypatch.setattr("bayescli.devices.CUDA_CHUNK_MAX_BYTES", budget.get(link, 1 << 30))
     common = ("predict", "--posterior", digits_posterior, "--data", "digits:test", "--link", link,
               "--samples", 500, "--quiet")  # fmt: skip
     reads, events = {}, {}

@@ -32,11 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
+from bayescli import devices
 from bayescli.errors import BayescliError
 
-# Elements of a [queries, bank] similarity block (KNN) or [queries, classes] distance block;
-# 2^25 float32 values are 128 MiB.
+# Elements of a [queries, bank] similarity block (KNN) or [queries, classes] distance block on a
+# CPU; 2^25 float32 values are 128 MiB (a float64 row counts twice: callers pass 2·D).
 CHUNK_ELEMENTS = 1 << 25
+# Bytes per such float32 element on CUDA (devices.chunk_elements): the block, its centred or
+# whitened copy and the reduction's temporary.
+CHUNK_BYTES = 3 * 4
 
 
 def max_logit(logits: torch.Tensor) -> torch.Tensor:
@@ -49,8 +53,9 @@ def energy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return (temperature * torch.logsumexp(logits.double() / temperature, -1)).double()
 
 
-def _rows(n_cols: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, n_cols))
+def _rows(n_cols: int, device: torch.device) -> int:
+    """Rows of ``n_cols`` float32 elements per chunk on ``device``."""
+    return devices.chunk_rows(device, n_cols, CHUNK_ELEMENTS, CHUNK_BYTES)
 
 
 def _ridged_cholesky(scatter: torch.Tensor, count: int, ridge: float) -> torch.Tensor:
@@ -84,14 +89,14 @@ def _class_scatter(
     labels = labels.to(phi.device)
     counts = torch.bincount(labels, minlength=num_classes)
     sums = torch.zeros(num_classes, phi.shape[1], dtype=torch.float64, device=phi.device)
-    rows = _rows(phi.shape[1])
+    rows = _rows(phi.shape[1], phi.device)
     for start in range(0, len(phi), rows):
         sums.index_add_(0, labels[start : start + rows], phi[start : start + rows].double())
     present = counts > 0
     full_means = sums.new_zeros(num_classes, phi.shape[1])
     full_means[present] = sums[present] / counts[present, None]
     scatter = torch.zeros(phi.shape[1], phi.shape[1], dtype=torch.float64, device=phi.device)
-    rows = _rows(2 * phi.shape[1])  # float64 chunks
+    rows = _rows(2 * phi.shape[1], phi.device)  # float64 chunks
     for start in range(0, len(phi), rows):
         centred = phi[start : start + rows].double() - full_means[labels[start : start + rows]]
         scatter += centred.T @ centred
@@ -128,7 +133,7 @@ class Mahalanobis:
         white_means = torch.linalg.solve_triangular(chol, self.means.to(chol).T, upper=False).T
         mean_sq = white_means.square().sum(-1)
         parts = []
-        rows = _rows(2 * phi.shape[1])
+        rows = _rows(2 * phi.shape[1], phi.device)
         for start in range(0, len(phi), rows):
             z = torch.linalg.solve_triangular(chol, phi[start : start + rows].double().T, upper=False).T
             d2 = z.square().sum(-1, keepdim=True) - 2 * z @ white_means.T + mean_sq
@@ -205,7 +210,7 @@ class KNN:
         """Distance to the k-th nearest bank feature ``[N]``, in query chunks so that the
         similarity block stays under ``CHUNK_ELEMENTS`` whatever the bank's size."""
         bank = self.bank.to(phi.dtype)
-        rows = _rows(len(bank))
+        rows = _rows(len(bank), phi.device)
         out = []
         for start in range(0, len(phi), rows):
             sims = _normalise(phi[start : start + rows]) @ bank.T
@@ -260,7 +265,7 @@ class ViM:
         w, b = weight.double(), bias.double()
         origin = -(torch.linalg.pinv(w) @ b)
         scatter = torch.zeros(d, d, dtype=torch.float64, device=phi.device)
-        rows = _rows(2 * d)  # float64 chunks
+        rows = _rows(2 * d, phi.device)  # float64 chunks
         for start in range(0, len(phi), rows):
             centred = phi[start : start + rows].double() - origin
             scatter += centred.T @ centred
@@ -278,8 +283,9 @@ class ViM:
         dt = phi.dtype
         origin, null, w, b = (t.to(dt) for t in (self.origin, self.null, self.weight, self.bias))
         res, logits = [], []
-        for start in range(0, len(phi), _rows(phi.shape[1])):
-            x = phi[start : start + _rows(phi.shape[1])]
+        rows = _rows(phi.shape[1], phi.device)
+        for start in range(0, len(phi), rows):
+            x = phi[start : start + rows]
             res.append(((x - origin) @ null).norm(dim=-1).double())
             logits.append(torch.addmm(b, x, w.T).double())
         return torch.cat(res), torch.cat(logits)

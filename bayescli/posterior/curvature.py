@@ -133,12 +133,23 @@ def _backpack_batch(
     return (value.detach().clone(),)
 
 
+def curvature_row_bytes(k: int, d1: int, structure: HessianStructure) -> int:
+    """Bytes a closed-form curvature chunk keeps live per row of a ``[K, D+1]`` head: float64
+    ``φ̃`` and ``φ̃²`` or its products (``4(D+1)`` numbers), logits, probabilities, ``λ`` or the
+    residual and their squares (``6K``), and for ``full`` the per-input ``[K, D+1]`` products
+    (twice: the einsum's or the gradients' and their reshape)."""
+    numbers = 4 * d1 + 6 * k + (2 * k * d1 if structure is HessianStructure.FULL else 0)
+    return 8 * numbers
+
+
 class ChunkedAccumulator(ABC):
     """What every last-layer curvature accumulator shares: rows regrouped into chunks of exactly
-    ``batch_size`` (so the result does not depend on how the stream was batched: a streamed fit
-    equals the in-memory one to the last bit), float64 sums of the chunks' factors and of the
-    log-likelihood (while every batch has labels), the all-reduce of per-process sums under
-    ``torchrun``, and the :class:`Curvature` they make; ``full`` is refused past
+    ``batch_size`` rows on a CPU, on CUDA of the device's budget over :func:`curvature_row_bytes`
+    (:func:`bayescli.devices.chunk_elements`; ``sized_by_device=False`` keeps ``batch_size``).
+    Either way the chunk is fixed for the fit, so the result does not depend on how the stream
+    was batched: a streamed fit equals the in-memory one to the last bit. Float64 sums of the
+    chunks' factors and of the log-likelihood (while every batch has labels), the all-reduce of
+    per-process sums under ``torchrun``, and the :class:`Curvature` they make; ``full`` is refused past
     :data:`~bayescli.posterior.gaussian.MAX_FULL_PARAMS` parameters. A subclass computes one chunk
     in :meth:`_chunk`, adding it with :meth:`_add`.
     """
@@ -150,12 +161,17 @@ class ChunkedAccumulator(ABC):
         curvature: CurvatureType,
         batch_size: int,
         seed: int,
+        sized_by_device: bool = True,
     ) -> None:
         k, d1 = weight_aug.shape
         if structure is HessianStructure.FULL and k * d1 > MAX_FULL_PARAMS:
             raise BayescliError(
                 f"hessian='full' on a {d1 - 1}→{k} head has {k * d1:,} parameters "
                 f"(limit {MAX_FULL_PARAMS:,}); use hessian='kron' or 'diag'"
+            )
+        if sized_by_device:
+            batch_size = devices.chunk_elements(
+                weight_aug.device, batch_size, curvature_row_bytes(k, d1, structure)
             )
         self.structure, self.curvature, self.batch_size = structure, curvature, batch_size
         self.gen = devices.generator(weight_aug.device, seed)
@@ -255,12 +271,15 @@ class CurvatureAccumulator(ChunkedAccumulator):
             CurvatureType(curvature),
             Backend(backend),
         )
-        super().__init__(weight_aug, structure, curvature, batch_size, seed)
-        k = weight_aug.shape[0]
         if backend is Backend.AUTO:
             backend = Backend.BACKPACK if curvature is CurvatureType.GGN_MC else Backend.CLOSED_FORM
         if backend is Backend.BACKPACK and structure is HessianStructure.FULL:
             backend = Backend.CLOSED_FORM  # BackPACK has no dense-GGN extension for a layer
+        # BackPACK's intermediates (per-input square roots of Λ, per-input gradients) are its
+        # own, not curvature_row_bytes': its chunks stay at batch_size on every device
+        sized = backend is Backend.CLOSED_FORM
+        super().__init__(weight_aug, structure, curvature, batch_size, seed, sized_by_device=sized)
+        k = weight_aug.shape[0]
         self.backend = backend
         weight_aug = weight_aug.detach()
         if structure is HessianStructure.FULL:

@@ -23,8 +23,18 @@ from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link
 from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
 from bayescli.predictive import dirichlet
 
+# Chunk sizes (:func:`bayescli.devices.chunk_elements`): these on a CPU, a memory budget on CUDA.
 MC_CHUNK_ELEMENTS = 1 << 18  # samples × inputs × classes per chunk: 1 MiB of float32 per buffer
 BRIDGE_CHUNK_ELEMENTS = 1 << 18  # inputs × classes per chunk
+# Live [inputs, K, M] buffers of one MC chunk, in the logits' dtype: the draws (softmaxed in
+# place), their exponentials, and the two products of the reductions (probs·d, probs − mean).
+MC_BUFFERS = 4
+# Float64 [inputs, K, M] copies a Dirichlet fit to the samples adds: probs.double(), its clamp, its log.
+MC_DIRICHLET_BYTES = 3 * 8
+# Live float64 [inputs, K] arrays of one bridge chunk at its peak: μ, diag Σ, Σ1 and their corrected
+# copies, then t, the clamped variances and, on a GPU, both forms of α (log bracket, its pieces,
+# the direct form, the merged result); 16 bounds them.
+BRIDGE_BYTES = 16 * 8
 
 
 @dataclass
@@ -71,13 +81,16 @@ def monte_carlo(
 ) -> LinkOutput:
     """MC estimate of ``E[softmax(z)]`` with ``samples`` independent draws per input.
 
-    Draws are laid out ``[inputs, K, M]`` and processed in chunks of ``MC_CHUNK_ELEMENTS``:
-    reductions over classes then run along a strided axis with the samples contiguous (PyTorch's
-    softmax over a last axis of 10 classes is ~25× slower per element), every chunk's buffers stay
-    in cache, and the softmax and its entropy share one exponential (no log of probabilities).
+    Draws are laid out ``[inputs, K, M]`` and processed in chunks: reductions over classes then
+    run along a strided axis with the samples contiguous (PyTorch's softmax over a last axis of 10
+    classes is ~25× slower per element), and the softmax and its entropy share one exponential (no
+    log of probabilities). On a CPU a chunk holds ``MC_CHUNK_ELEMENTS`` draws, so that its buffers
+    stay in cache; on CUDA the device's budget over ``MC_BUFFERS`` buffers in the logits' dtype
+    (plus ``MC_DIRICHLET_BYTES`` with ``fit_dirichlet``) per draw.
     """
     n, k = lg.mean.shape
-    chunk = max(1, MC_CHUNK_ELEMENTS // max(1, samples * k))
+    per_draw = MC_BUFFERS * lg.mean.element_size() + (MC_DIRICHLET_BYTES if fit_dirichlet else 0)
+    chunk = devices.chunk_rows(lg.mean.device, samples * k, MC_CHUNK_ELEMENTS, per_draw)
     means, stds, alphas, ents = [], [], [], []
     eps = torch.empty(min(chunk, n), k, samples, dtype=lg.mean.dtype, device=lg.mean.device)
     for start in range(0, n, chunk):
@@ -106,20 +119,22 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
 
     The zero-sum correction needs only ``diag Σ`` and ``Σ1``, which every form provides
     without building ``Σ``. A logit Gaussian that is the bridge image of a native Dirichlet
-    (``lg.alpha``) maps back to that Dirichlet exactly, whatever the correction.
+    (``lg.alpha``) maps back to that Dirichlet exactly, whatever the correction. Rows are processed
+    in chunks: of ``BRIDGE_CHUNK_ELEMENTS`` numbers on a CPU, where they keep the float64
+    elementwise passes in cache (2× faster at K = 1000); of the device's budget over
+    ``BRIDGE_BYTES`` per number on CUDA (10,000 × 1,000 inputs in one chunk on a large GPU).
     """
     if lg.alpha is not None:
         return lg.alpha
     rowsum = lg.rowsum()
-    # Row chunks keep the float64 elementwise passes in cache: 2× faster at K = 1000.
-    rows = max(1, BRIDGE_CHUNK_ELEMENTS // lg.num_classes)
+    rows = devices.chunk_rows(lg.mean.device, lg.num_classes, BRIDGE_CHUNK_ELEMENTS, BRIDGE_BYTES)
     parts = []
     for start in range(0, len(lg), rows):
         sl = slice(start, start + rows)
         parts.append(
             dirichlet.bridge_alpha(*dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction))
         )
-    return torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def apply_link(

@@ -31,9 +31,16 @@ import torch
 from bayescli import devices
 from bayescli.errors import BayescliError
 
+# Chunk sizes (:func:`bayescli.devices.chunk_elements`): these on a CPU, a memory budget on CUDA.
 MC_CHUNK_ELEMENTS = 1 << 18  # samples × inputs × labels per chunk (as in links.py)
+# Live [inputs, K, M] buffers of one MC chunk in the logits' dtype: the draws, the entropy's
+# sigmoid, two softplus, their products and sum, then the sigmoid and its deviation from the mean.
+MC_BUFFERS = 8
 QUADRATURE_NODES = 64
 QUADRATURE_CHUNK = 1 << 14  # labels per chunk: buffers of chunk × nodes float64 (8 MiB)
+# Bytes per label of a quadrature chunk: ~16 live float64 [labels, nodes] buffers (the Hermite
+# sigmoid and its squared deviation, the Laguerre densities, their differences and products).
+QUADRATURE_LABEL_BYTES = 16 * QUADRATURE_NODES * 8
 # Below this σ the integrand sigmoid(μ + σ√2 x) is smooth on Gauss–Hermite's scale; above it the
 # sigmoid's unit-width step falls between the nodes, and the Laguerre form (whose integrand varies
 # on the scale σ) takes over. At 1.5 both have absolute error ≲ 1e-13 (against mpmath, |μ| ≤ 30).
@@ -101,12 +108,13 @@ def monte_carlo(
 ) -> SigmoidLinkOutput:
     """MC estimates per label from ``samples`` draws ``z ~ N(μ, σ²)``: ``probs = mean sigmoid(z)``,
     ``std`` (sample std of ``sigmoid(z)``), ``expected_entropy = mean H_b(sigmoid(z))`` and
-    ``mutual_information``. Draws ``[rows, K, M]`` are made in chunks of ``MC_CHUNK_ELEMENTS``."""
+    ``mutual_information``. Draws ``[rows, K, M]`` are made in chunks of ``MC_CHUNK_ELEMENTS`` on
+    a CPU, of the device's budget over ``MC_BUFFERS`` buffers per draw on CUDA."""
     var = _check(mean, var)
     if samples < 1:
         raise BayescliError(f"the mc link needs at least 1 sample, got {samples}")
     n, k = mean.shape
-    rows = max(1, MC_CHUNK_ELEMENTS // max(1, samples * k))
+    rows = devices.chunk_rows(mean.device, samples * k, MC_CHUNK_ELEMENTS, MC_BUFFERS * mean.element_size())
     eps = torch.empty(min(rows, n), k, samples, dtype=mean.dtype, device=mean.device)
     means, stds, ents = [], [], []
     for start in range(0, n, rows):
@@ -155,12 +163,16 @@ def sigmoid_gaussian_moments(
 
     In the far tails (``m ≲ 1e-10``, ``σ > 1.5``) the Laguerre values keep only ~5 significant
     digits (relative error ~1e-5 at ``|μ| = 30``); absolute accuracy is unaffected.
+
+    Labels go through in chunks: ``QUADRATURE_CHUNK`` on a CPU, the device's budget over
+    ``QUADRATURE_LABEL_BYTES`` a label on CUDA.
     """
     var = _check(mean, var)
     mu, sigma = mean.double().reshape(-1), var.double().sqrt().reshape(-1)
+    chunk = devices.chunk_elements(mean.device, QUADRATURE_CHUNK, QUADRATURE_LABEL_BYTES)
     parts = [
-        _moments_of_nonpositive(-mu[i : i + QUADRATURE_CHUNK].abs(), sigma[i : i + QUADRATURE_CHUNK])
-        for i in range(0, len(mu), QUADRATURE_CHUNK)
+        _moments_of_nonpositive(-mu[i : i + chunk].abs(), sigma[i : i + chunk])
+        for i in range(0, len(mu), chunk)
     ]
     low, v = (torch.cat(x).reshape(mean.shape) for x in zip(*parts, strict=True))
     flip = mean.double() > 0

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from bayescli import devices
 from bayescli.dirichlet import dirichlet_to_gaussian, fit_precision_vectorised
 from bayescli.errors import BayescliError
 from bayescli.models import Classifier
@@ -32,7 +33,13 @@ from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA
 from bayescli.posterior.vi.dirichlet_fvi_samples import ensemble_member_logits, head_logits, network_logits
 
 FULL_COV_MAX_CLASSES = 64  # above this, the logit Gaussian carries diag Σ only
-PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per sampled chunk
+PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per sampled chunk on a CPU
+# Bytes per sample × input × class of a sampled chunk on CUDA (predict_chunk_rows): the logits and
+# their softmax in float32 (4 + 4), its float64 copy (8) and the sampler's temporaries (8) ...
+PREDICT_SAMPLE_BYTES = 24
+# ... plus, per input × class, ~12 float64 [rows, K] arrays (the two sample means, ln ᾱ, Minka's
+# workspace of 2 × 8 buffers in float32 and float64, α and the bridge's μ and diag Σ).
+PREDICT_ROW_BYTES = 12 * 8
 MEMBER_CHUNK_ELEMENTS = 1 << 20  # inputs × classes per member GEMM of a head ensemble on the CPU
 MEMBER_BUFFER_ELEMENTS = 1 << 24  # members × inputs × classes of its logits buffer (64 MiB float32)
 CACHE_CHUNK_ELEMENTS = 1 << 19  # samples × inputs × classes per sample-means pass (in cache)
@@ -88,14 +95,23 @@ def sample_means(
     return out
 
 
+def predict_chunk_rows(members: int, width: int, device: torch.device) -> int:
+    """Inputs per sampled chunk of ``members`` samples of ``width`` numbers each
+    (:func:`bayescli.devices.chunk_rows`): ``PREDICT_CHUNK_ELEMENTS / (M·width)`` on a CPU; on
+    CUDA the device's budget over ``M·width`` elements of ``PREDICT_SAMPLE_BYTES`` plus the
+    per-input float64 work (``PREDICT_ROW_BYTES`` per class, spread over the ``M`` samples)."""
+    per_element = PREDICT_SAMPLE_BYTES + -(-PREDICT_ROW_BYTES // max(1, members))
+    return devices.chunk_rows(device, members * width, PREDICT_CHUNK_ELEMENTS, per_element)
+
+
 def ensemble_chunk_rows(members: int, k: int, device: torch.device) -> int:
     """Inputs per chunk of a head ensemble's member GEMMs (:func:`ensemble_member_logits`): on the
     CPU ``MEMBER_CHUNK_ELEMENTS / K`` (~1,000 rows at K = 1000 keep each GEMM as fast per FLOP as
     the plain head), within ``MEMBER_BUFFER_ELEMENTS`` for all members; on a GPU
-    ``PREDICT_CHUNK_ELEMENTS / (M·K)``."""
+    :func:`predict_chunk_rows`."""
     if device.type == "cpu":
         return max(1, min(MEMBER_CHUNK_ELEMENTS // k, MEMBER_BUFFER_ELEMENTS // (members * k)))
-    return max(1, PREDICT_CHUNK_ELEMENTS // (members * k))
+    return predict_chunk_rows(members, k, device)
 
 
 def normalised_means(
@@ -239,7 +255,7 @@ class DirichletFVIPosterior(Posterior):
 
         # dropout masks are [M, rows, D], everything else [M, rows, K]
         width = max(k, phi.shape[1] if self.family == "dropout" else 0)
-        return sampled, max(1, PREDICT_CHUNK_ELEMENTS // (self.members * width))
+        return sampled, predict_chunk_rows(self.members, width, phi.device)
 
     def _input_sampler(
         self, classifier: Classifier, x: torch.Tensor
@@ -254,8 +270,9 @@ class DirichletFVIPosterior(Posterior):
             xb = x[sl].to(device)
             return network_logits(self.family, classifier, xb, self.members, gen, self.dropout, members, stds)
 
+        # the images' activations, not the budget, bound a network pass
         rows = min(
-            PREDICT_CHUNK_ELEMENTS // (self.members * self.num_classes), INPUT_CHUNK_IMAGES // self.members
+            predict_chunk_rows(self.members, self.num_classes, device), INPUT_CHUNK_IMAGES // self.members
         )
         return sampler, max(1, rows)
 
