@@ -307,13 +307,30 @@ def model_facts(loaded: LoadedModel) -> dict:
 
 
 def floats(text: str | None, option: str) -> tuple[float, ...] | None:
-    """``"0.5,0.5,0.5"`` → ``(0.5, 0.5, 0.5)``; a clear error otherwise."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise BayescliError(f"{option} takes comma-separated numbers like 0.5,0.5,0.5: '{text}'") from None
+    """``"0.5,1/255"`` → ``(0.5, 0.00392…)`` (numbers or fractions); a clear error otherwise."""
+    from bayescli.numbers import parse_numbers
+
+    return None if text is None else parse_numbers(text, option)
+
+
+def number(option: str, lo: float | None = None, hi: float | None = None) -> Callable[[str | float], float]:
+    """A Typer ``parser=`` for a float option that also takes fractions (``1/255``), as every number
+    the CLI reads does, with the bounds ``[lo, hi]`` (Typer ignores ``min``/``max`` once a parser is
+    given). Bad values exit 2 with a usage line naming the option."""
+    from bayescli.numbers import parse_number
+
+    def parse(text: str | float) -> float:
+        try:
+            value = parse_number(text, option)
+        except BayescliError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            low, high = ("-inf" if lo is None else f"{lo:g}"), ("inf" if hi is None else f"{hi:g}")
+            raise typer.BadParameter(f"{option} must be within [{low}, {high}]; got {text}")
+        return value
+
+    parse.__name__ = "number"  # the metavar --help shows
+    return parse
 
 
 def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:

@@ -45,10 +45,12 @@ def conformal_cmd(
         str, typer.Option(help="Non-conformity score: lac, aps, aps-random (randomised) or raps.")
     ] = "lac",
     alpha: Annotated[
-        float, typer.Option(min=1e-6, max=1 - 1e-6, help="Miscoverage: sets cover 1 - ALPHA.")
+        float,
+        typer.Option(parser=c.number("--alpha", 1e-6, 1 - 1e-6), help="Miscoverage: sets cover 1 - ALPHA."),
     ] = 0.1,
     raps_lambda: Annotated[
-        float, typer.Option(min=0.0, help="RAPS penalty per rank beyond --raps-kreg.")
+        float,
+        typer.Option(parser=c.number("--raps-lambda", 0.0), help="RAPS penalty per rank beyond --raps-kreg."),
     ] = 0.01,
     raps_kreg: Annotated[int, typer.Option(min=0, help="RAPS: ranks without penalty.")] = 5,
     val_data: Annotated[

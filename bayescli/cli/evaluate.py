@@ -69,8 +69,7 @@ def evaluate_cmd(
     conformal: Annotated[
         float | None,
         typer.Option(
-            min=1e-6,
-            max=1 - 1e-6,
+            parser=c.number("--conformal", 1e-6, 1 - 1e-6),
             help="Run split conformal sets at miscoverage ALPHA (calibrated on a seeded half of --data).",
         ),
     ] = None,

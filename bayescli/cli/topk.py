@@ -17,7 +17,7 @@ def topk_cmd(
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test.")],
     out: Annotated[Path | None, typer.Option(help="Write sets and summary as JSON.")] = None,
     threshold: Annotated[
-        float, typer.Option(min=1e-9, max=1 - 1e-9, help="Overlap level T in (0, 1).")
+        float, typer.Option(parser=c.number("--threshold", 1e-9, 1 - 1e-9), help="Overlap level T in (0, 1).")
     ] = 0.05,
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
