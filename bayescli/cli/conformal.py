@@ -62,6 +62,12 @@ def conformal_cmd(
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -97,9 +103,10 @@ def conformal_cmd(
             f"unknown score '{score}'; use one of {', '.join(s.value for s in ConformalScore)}"
         ) from None
     ccfg = ConformalConfig(score_kind, alpha, raps_lambda, raps_kreg)
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
-        model=model_spec, trust_model_code=trust_model_code,
+        model=model_spec, trust_model_code=trust_model_code, preprocess=overrides,
     )  # fmt: skip
     multilabel = post.likelihood == "bernoulli"
     if multilabel and score_kind is not ConformalScore.LAC:
@@ -126,7 +133,7 @@ def conformal_cmd(
     result, sets = standalone_conformal(
         post, model, method, test, feats, cal, cal_feats, ccfg, val_data or cal_spec, cfg
     )
-    report = _report(post, test, result)
+    report = {**_report(post, test, result), **c.preprocess_record(model, overrides)}
     if out is not None:
         names = model.class_names
         labels = feats.labels.tolist() if feats.labels is not None else None

@@ -96,6 +96,12 @@ def evaluate_cmd(
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -164,12 +170,13 @@ def evaluate_cmd(
     likelihood_of(posts)  # softmax and multi-label posteriors mixed: refused before models and data load
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict] = {}
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     for tag, post in posts.items():
         recipes.setdefault(preprocess_key(post), {})[tag] = post
     models, tests, ggp_data = {}, {}, {}
     for members in recipes.values():
         model = next(iter(members.values())).load_model(
-            checkpoint, model=model_spec, trust_model_code=trust_model_code
+            checkpoint, model=model_spec, trust_model_code=trust_model_code, preprocess=overrides
         )
         test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
         for tag, post in members.items():
@@ -181,6 +188,8 @@ def evaluate_cmd(
     report = evaluate(
         posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
     )
+    if overrides:
+        report["protocol"]["preprocess_overrides"] = overrides.to_meta()
     if report["map_accuracy"] is not None:
         warning = low_accuracy_warning(
             report["map_accuracy"], model.classifier.num_classes, f"the test data {data}"
