@@ -75,8 +75,11 @@ def evaluate_cmd(
     ] = None,
     fidelity_inputs: Annotated[
         int,
-        typer.Option(min=0, help="Test inputs for the link-fidelity check (KL to MC, 10⁴ draws); 0 = off."),
-    ] = 256,
+        typer.Option(
+            min=0,
+            help="Test inputs for the link-fidelity check (a seeded subset; KL to MC, 10⁴ draws); 0 = off.",
+        ),
+    ] = 32,
     rotation: Annotated[str | None, typer.Option(help="Angles START:STOP:STEP, e.g. 0:180:15.")] = None,
     corruption: Annotated[str | None, typer.Option(help="all or NAME,NAME,...")] = None,
     severity: Annotated[str, typer.Option(help="1-5 or 1,3,5.")] = "1-5",

@@ -502,7 +502,9 @@ def run_grouped(groups: list[tuple[dict[str, Posterior], LoadedModel, Data]], cf
             elif key == "ggp":
                 report["protocol"].setdefault("ggp", {}).update(value)
             elif key == "link_fidelity":
-                report["protocol"].setdefault("link_fidelity", value)["inputs"].update(value["inputs"])
+                fidelity = report["protocol"].setdefault("link_fidelity", value)
+                for part in ("inputs", "samples"):  # per posterior tag in grouped reports
+                    fidelity[part].update(value[part])
             else:
                 report["protocol"].setdefault(key, value)
         for key, sec in other["timings"].items():

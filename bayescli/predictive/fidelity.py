@@ -25,23 +25,42 @@ from bayescli.predictive import dirichlet
 from bayescli.predictive.links import bridge, monte_carlo, probit, sodpp
 
 FIDELITY_SAMPLES = 10_000
-FIDELITY_INPUTS = 256
+# A seeded subset of this many test inputs by default: the check runs on every evaluate, and its
+# MC reference costs samples × inputs × K² multiply-adds (full covariances), which at 256 inputs
+# was most of an evaluate on digits; its mean KL over 32 inputs still tells a link that is off
+# by more than KL_WARNING from one that is not (``--fidelity-inputs`` asks for more).
+FIDELITY_INPUTS = 32
 KL_WARNING = 0.05
 GAUSSIAN_IMAGE = "gaussian image of the Dirichlet (inverse Laplace bridge)"
 MC_REFERENCE = "Monte Carlo E[softmax(z)], z ~ N(mu, Sigma)"
 DIRICHLET_REFERENCE = "the posterior's Dirichlet mean alpha / alpha0 (its native predictive)"
-# Sampling work (samples × inputs × per-draw cost) allowed before the subset is shrunk; 2e10
-# multiply-adds are a few seconds on two cores.
-MAX_WORK = 2e10
+# Sampling work (samples × inputs × per-draw cost) allowed before the subset, then the samples,
+# are cut: ten times the default's 32 inputs × 10⁴ draws of a 10-class full covariance (3.2e7
+# multiply-adds), so many classes cannot make the check cost minutes; 1000-class nets with full
+# covariances keep 8 inputs and at least 1000 draws.
+MAX_WORK = 3.2e8
 MIN_INPUTS = 8
+MIN_SAMPLES = 1000
+
+
+def _per_draw(num_classes: int, kind: str) -> int:
+    """Multiply-adds per draw: ``K`` for diagonal covariances, ``K²`` for eigen-form and full ones."""
+    return num_classes if kind == "diag" else num_classes**2
 
 
 def fidelity_inputs(n: int, num_classes: int, kind: str, inputs: int, samples: int) -> int:
-    """How many inputs to use: ``inputs`` unless the draws would exceed ``MAX_WORK``
-    (a draw costs ``K`` for diagonal covariances, ``K²`` for eigen-form and full ones)."""
-    per_draw = num_classes if kind == "diag" else num_classes**2
-    affordable = int(MAX_WORK // (samples * per_draw))
+    """How many of ``n`` inputs to use: ``inputs`` unless the draws would exceed ``MAX_WORK``,
+    never fewer than ``MIN_INPUTS`` (or ``n``)."""
+    affordable = int(MAX_WORK // (samples * _per_draw(num_classes, kind)))
     return max(1, min(n, inputs, max(MIN_INPUTS, affordable)))
+
+
+def fidelity_samples(inputs: int, num_classes: int, kind: str, samples: int) -> int:
+    """MC draws for ``inputs`` inputs: ``samples`` unless that exceeds ``MAX_WORK`` (large ``K``
+    after :func:`fidelity_inputs` has cut the inputs), never fewer than ``MIN_SAMPLES``; the
+    report's ``noise_floor`` says what the fewer draws cost in precision."""
+    affordable = int(MAX_WORK // (max(1, inputs) * _per_draw(num_classes, kind)))
+    return max(min(samples, MIN_SAMPLES), min(samples, affordable))
 
 
 def subset_index(n: int, size: int, seed: int) -> torch.Tensor:
