@@ -12,6 +12,7 @@ from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
 from bayescli.predictive.fidelity import (
     FIDELITY_INPUTS,
+    FIDELITY_SAMPLES,
     MIN_SAMPLES,
     fidelity_inputs,
     fidelity_samples,
@@ -81,20 +82,21 @@ def test_point_mass_links_agree_and_bridge_does_not():
 
 
 def test_fidelity_inputs_budget():
-    # MAX_WORK = 3.2e8 multiply-adds, 10× the default 32 inputs × 1e4 draws × K² at K = 10
-    assert fidelity_inputs(10_000, 10, "eig", FIDELITY_INPUTS, 10_000) == 32
-    assert fidelity_inputs(10_000, 10, "eig", 1000, 10_000) == 320  # 3.2e8 / (1e4 · 100)
-    assert fidelity_inputs(20, 10, "diag", 256, 10_000) == 20
-    assert fidelity_inputs(10_000, 10, "diag", 256, 10_000) == 256  # 3.2e8 / (1e4 · 10) = 3200
-    assert fidelity_inputs(10_000, 1000, "eig", 256, 10_000) == 8  # 3.2e8 / (1e4 · 1e6) → the minimum
-    assert fidelity_inputs(10_000, 1000, "diag", 256, 10_000) == 32  # 3.2e8 / (1e4 · 1e3)
+    # MAX_WORK = 6.4e7 multiply-adds, 10× the default 32 inputs × 2000 draws × K² at K = 10
+    assert fidelity_inputs(10_000, 10, "eig", FIDELITY_INPUTS, FIDELITY_SAMPLES) == 32
+    assert fidelity_inputs(10_000, 10, "eig", 1000, 2000) == 320  # 6.4e7 / (2000 · 100)
+    assert fidelity_inputs(20, 10, "diag", 256, 2000) == 20
+    assert fidelity_inputs(10_000, 10, "diag", 256, 2000) == 256  # 6.4e7 / (2000 · 10) = 3200
+    assert fidelity_inputs(10_000, 1000, "eig", 256, 2000) == 8  # 6.4e7 / (2000 · 1e6) → the minimum
+    assert fidelity_inputs(10_000, 1000, "diag", 256, 2000) == 32  # 6.4e7 / (2000 · 1e3)
 
 
 def test_fidelity_samples_budget():
     """Draws are cut only where the inputs are already at their minimum, never below 1000."""
-    assert fidelity_samples(32, 10, "eig", 10_000) == 10_000
-    assert fidelity_samples(8, 100, "eig", 10_000) == 4000  # 3.2e8 / (8 · 1e4)
-    assert fidelity_samples(8, 1000, "eig", 10_000) == MIN_SAMPLES  # 40 affordable → the floor
+    assert fidelity_samples(32, 10, "eig", FIDELITY_SAMPLES) == FIDELITY_SAMPLES
+    assert fidelity_samples(8, 100, "eig", 10_000) == MIN_SAMPLES  # 800 affordable → the floor
+    assert fidelity_samples(8, 30, "eig", 10_000) == 8888  # 6.4e7 / (8 · 900)
+    assert fidelity_samples(8, 1000, "eig", 2000) == MIN_SAMPLES  # 8 affordable → the floor
     assert fidelity_samples(8, 1000, "eig", 500) == 500  # never more than asked
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from bayescli import progress
 from bayescli.cli import common as c
 from bayescli.options import (
     DEFAULT_METHODS,
@@ -77,7 +78,7 @@ def evaluate_cmd(
         int,
         typer.Option(
             min=0,
-            help="Test inputs for the link-fidelity check (a seeded subset; KL to MC, 10⁴ draws); 0 = off.",
+            help="Test inputs for the link-fidelity check (a seeded subset; KL to MC, 2000 draws); 0 = off.",
         ),
     ] = 32,
     rotation: Annotated[str | None, typer.Option(help="Angles START:STOP:STEP, e.g. 0:180:15.")] = None,
@@ -188,9 +189,10 @@ def evaluate_cmd(
                 ggp_data[tag] = load_ggp_data(post, model, cfg)
     first = next(iter(posts))
     model, test = models[first], tests[first]
-    report = evaluate(
-        posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
-    )
+    with progress.session("evaluate"):
+        report = evaluate(
+            posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
+        )
     if overrides:
         report["protocol"]["preprocess_overrides"] = overrides.to_meta()
     if report["map_accuracy"] is not None:
