@@ -133,9 +133,10 @@ def _multi_hot(y_np: np.ndarray, names: list[str] | None, path: Path) -> tuple[t
         values = np.unique(y_np[bad])
         shown = ", ".join(f"{v:g}" if np.isfinite(v) else str(v) for v in values[:5].tolist())
         more = f" and {len(values) - 5} more" if len(values) > 5 else ""
+        cells = int(bad.sum())
         raise BayescliError(
             f"{path}: multi-label 'y' [N, K] must hold only 0 and 1; found {shown}{more} "
-            f"in {int(bad.sum())} cells ({y_np.dtype})"
+            f"in {cells} cell{'s' if cells != 1 else ''} ({y_np.dtype})"
         )
     if names is not None and len(names) != y_np.shape[1]:
         raise BayescliError(
