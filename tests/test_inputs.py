@@ -245,3 +245,20 @@ def test_stage_lines_only_inside_an_enabled_session(capsys):
     assert len(err) == 2
     assert err[0].startswith("select: [") and err[0].endswith("] fit and score laplace (1/2)")
     assert err[1].endswith("] fit and score mnvi (2/2)")
+
+
+def test_select_reports_each_stage_on_one_line(cli, digits_ckpt, tmp_path):
+    args = ("select", "--model", "builtin:small-cnn", "--data", "digits:train", "--checkpoint", digits_ckpt,
+            "--val-data", "digits:val", "--ood", "patches", "--methods", "temperature,laplace-diag",
+            "--out-dir", tmp_path / "sel")  # fmt: skip
+    res = cli(*args)
+    assert res.code == 0, res.err
+    stages = [line.split("] ", 1)[1] for line in res.err.splitlines() if line.startswith("select: [")]
+    assert stages == [
+        "backbone pass: validation data",
+        "backbone pass: fitting data",
+        "backbone pass: 1 OOD set",
+        "fit and score temperature (1/2)",
+        "fit and score laplace-diag (2/2)",
+    ]
+    assert "select: [" not in cli(*args, "--quiet").err
