@@ -46,6 +46,8 @@ from bayescli.unpickle import (
 )
 
 _MAX_DEPTH = 6  # how deep wrappers are searched for dicts of tensors and pickled modules
+# safetensors caps its JSON header at 100 MB; a larger length field is not a safetensors file
+MAX_SAFETENSORS_HEADER = 100_000_000
 _ACCEPTED = "safetensors (preferred), or a torch.save file (zip or legacy) of a state dict or a whole module"
 
 
@@ -79,18 +81,24 @@ class Checkpoint:
 
 
 def sniff_format(path: Path) -> str | None:
-    """``safetensors``, ``zip``, ``torchscript``, ``legacy`` or None, from the file's bytes."""
+    """``safetensors``, ``zip``, ``torchscript``, ``legacy``, ``truncated-safetensors``,
+    ``truncated-zip`` (a file that starts as one of those formats but is cut short or damaged) or
+    None, from the file's bytes."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(9)
-        if len(head) == 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
-            return "safetensors"
+        if len(head) == 9 and head[8:9] == b"{":
+            header = int.from_bytes(head[:8], "little")
+            if 2 <= header <= size - 8:
+                return "safetensors"
+            if header <= MAX_SAFETENSORS_HEADER:  # a JSON header longer than the file: cut short
+                return "truncated-safetensors"
         if head.startswith(b"PK\x03\x04"):
             try:
                 with zipfile.ZipFile(path) as archive:
                     names = archive.namelist()
-            except zipfile.BadZipFile:
-                return None
+            except zipfile.BadZipFile:  # the central directory sits at the end: lost when cut
+                return "truncated-zip"
             if any(n.endswith("/constants.pkl") for n in names):
                 return "torchscript"
             return "zip" if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names) else None
@@ -118,6 +126,16 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise BayescliError(
             f"{p} is a TorchScript archive, which is code that bayescli does not run; where you trust it, "
             "save its weights with torch.save(torch.jit.load(path).state_dict(), ...)"
+        )
+    if kind is not None and kind.startswith("truncated-"):
+        what, lost = (
+            ("a safetensors file", "its header runs past the end")
+            if kind == "truncated-safetensors"
+            else ("a torch.save (zip) archive", "its central directory is missing")
+        )
+        raise BayescliError(
+            f"{p} starts as {what} but is truncated or corrupt ({p.stat().st_size} bytes; {lost}); "
+            "download or save it again"
         )
     if kind is None:
         raise BayescliError(f"unsupported checkpoint format: {p} is not {_ACCEPTED}")

@@ -54,6 +54,9 @@ class Features:
 
 def check_input_shape(model: LoadedModel, data: Data) -> None:
     """Raise if ``data`` cannot be fed to ``model`` (recorded input shape, or a failed probe)."""
+    problem = model.input_problem(tuple(data.input_shape), data.spec)
+    if problem is not None:
+        raise BayescliError(problem)
     expected = model.metadata.get("input_shape")
     if expected and list(data.input_shape) != list(expected):
         raise BayescliError(

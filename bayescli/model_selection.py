@@ -28,6 +28,7 @@ from bayescli.metrics import accuracy, brier, ece, map_log_probabilities, nll, o
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
+from bayescli.progress import stage
 from bayescli.registry import method_entry
 
 DEFAULT_METHODS = ("laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature")
@@ -88,9 +89,13 @@ def select(
     ood = ood or {}
     require(source.val is not None, "select needs held-out validation data (val); it chooses on it")
     require(opts.criterion != "auroc" or bool(ood), "criterion 'auroc' needs OOD data (ood)")
+    stage("backbone pass: validation data")
     val = source.val_features()
     labels = val.labels
+    stage("backbone pass: fitting data")
     source.features()  # one backbone pass of the fitting set, shared by every method
+    if ood:
+        stage(f"backbone pass: {len(ood)} OOD set{'s' if len(ood) != 1 else ''}")
     ood_feats = {name: source.features(data) for name, data in ood.items()}
     map_probs = val.logits.softmax(-1)
     map_row = {
@@ -99,7 +104,8 @@ def select(
     }
     rows: dict[str, dict] = {}
     posteriors: dict[str, Posterior] = {}
-    for name in opts.methods:
+    for i, name in enumerate(opts.methods, 1):
+        stage(f"fit and score {name} ({i}/{len(opts.methods)})")
         start = time.perf_counter()
         post = fit_posterior(name, source, data_options=data_options, **opts.settings.get(name, {}))
         seconds = time.perf_counter() - start

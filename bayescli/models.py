@@ -29,7 +29,7 @@ from bayescli.classifier import SPLIT_TOLERANCE, Classifier, find_head, last_lin
 from bayescli.errors import BayescliError, require
 from bayescli.io import sha256_file
 from bayescli.model_args import factory_arguments, parse_model_args
-from bayescli.preprocess import Preprocess
+from bayescli.preprocess import Preprocess, PreprocessOverrides
 
 # ---------------------------------------------------------------------------------------------
 # builtin architectures
@@ -275,6 +275,34 @@ class LoadedModel:
             )
 
     @property
+    def input_channels(self) -> int | None:
+        """The channels the network's first layer takes (see :func:`input_channels`)."""
+        return input_channels(self.classifier.network)
+
+    def input_problem(self, shape: tuple[int, ...], spec: str) -> str | None:
+        """Why inputs of ``shape`` (``[C, H, W]`` after preprocessing, of the data ``spec``) cannot
+        reach the network, as one line, or ``None``: their channel count differs from the first
+        convolution's, or from the normalisation's per-channel values (which would broadcast
+        1-channel images to 3 and fail inside torch)."""
+        if len(shape) != 3:
+            return None
+        channels, wanted = int(shape[0]), self.input_channels
+        if wanted is not None and channels != wanted:
+            hint = "convert them to greyscale" if wanted == 1 else f"give {wanted}-channel images"
+            return (
+                f"{spec} has {channels}-channel inputs {list(shape)} but {self.spec} takes "
+                f"{wanted}-channel inputs (its first convolution); {hint}"
+            )
+        mean = self.preprocess.mean
+        if mean is not None and len(mean) not in (1, channels):
+            return (
+                f"the '{self.preprocess.source}' preprocessing normalises {len(mean)} channels but "
+                f"{spec} has {channels}-channel inputs; use --preprocess none or --mean/--std with "
+                f"{channels} value{'s' if channels > 1 else ''}"
+            )
+        return None
+
+    @property
     def class_names(self) -> list[str]:
         names = self.metadata.get("class_names")
         return list(names) if names else [str(i) for i in range(self.classifier.num_classes)]
@@ -291,6 +319,30 @@ class LoadedModel:
             **self.source,
             "preprocess": self.preprocess.to_meta(),
         }
+
+
+def input_channels(net: nn.Module) -> int | None:
+    """``in_channels`` of the first convolution, when it comes before any linear layer (the
+    network's input layer, in registration order); ``None`` for networks whose inputs have no
+    channel axis to check (MLPs) or that start otherwise."""
+    for module in net.modules():
+        if isinstance(module, nn.Conv2d):
+            return int(module.in_channels)
+        if isinstance(module, nn.Linear):
+            return None
+    return None
+
+
+def check_preprocess_fits(pre: Preprocess, channels: int | None, spec: ModelSpec) -> None:
+    """Raise when ``pre`` normalises a channel count the network cannot take (``--preprocess
+    imagenet`` on a 1-channel net), before any data is read."""
+    if pre.mean is not None and channels is not None and len(pre.mean) not in (1, channels):
+        what = "--mean/--std" if pre.source == "none+overrides" else f"the '{pre.source}' preprocessing"
+        raise BayescliError(
+            f"{what} normalises {len(pre.mean)} channels but {spec} takes "
+            f"{channels}-channel inputs (its first convolution); use --preprocess none, or "
+            f"--mean/--std with {channels} value{'s' if channels > 1 else ''}"
+        )
 
 
 def _reserved(kind: str) -> tuple[str, ...]:
@@ -317,6 +369,7 @@ def load_classifier(
     file_args: dict | None = None,
     output: int | str | None = None,
     likelihood: str | None = None,
+    preprocess_overrides: PreprocessOverrides | None = None,
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
@@ -335,7 +388,8 @@ def load_classifier(
     sets the input recipe; without one, the recipe the checkpoint carries (a ``bayescli train``
     normalisation, an HF image processor) is used, else none. ``likelihood`` (``categorical`` or
     ``bernoulli``) declares what a checkpoint saved elsewhere was trained with (a ``bayescli train``
-    checkpoint records it; one that records another is refused).
+    checkpoint records it; one that records another is refused). ``preprocess_overrides`` change
+    parts of whichever recipe applies (a prediction-time ``--resize``, say).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(model)
     if likelihood is not None and likelihood not in LIKELIHOODS:
@@ -415,6 +469,9 @@ def load_classifier(
         norm = meta.get("normalisation", {})
         source_name = "checkpoint" if norm.get("mean") else "none"
         preprocess = Preprocess(source_name, norm.get("mean"), norm.get("std"))
+    if preprocess_overrides:
+        preprocess = preprocess_overrides.apply(preprocess, str(spec))
+    check_preprocess_fits(preprocess, input_channels(net), spec)
     clf = Classifier(net, head_name, preprocess.mean, preprocess.std, output=_output_key(output))
     clf.eval()
     return LoadedModel(clf, spec, path, digest, meta, source, preprocess)

@@ -201,3 +201,55 @@ def resolve_preprocess(
     if overrides:
         base = replace(base, source=f"{base.source}+overrides", **overrides)
     return base
+
+
+@dataclass(frozen=True)
+class PreprocessOverrides:
+    """Changes to a recorded recipe asked for at prediction time (``predict``/``evaluate``/
+    ``topk``/``conformal`` ``--preprocess/--mean/--std/--resize/--crop/--interpolation``).
+
+    A ``preset`` replaces the recipe as at fit time (:func:`resolve_preprocess`, the other values
+    overriding it); without one, each value given replaces that part of the recorded recipe and the
+    rest is kept: ``--resize 28`` feeds 16-px images to a net fitted on 28-px ones with the fit's
+    own normalisation.
+    """
+
+    preset: PreprocessPreset | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    resize: int | None = None
+    crop: int | None = None
+    interpolation: Interpolation | None = None
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f) is not None for f in self.__dataclass_fields__)
+
+    def apply(self, base: Preprocess, model_spec: str) -> Preprocess:
+        """``base`` (the recorded recipe) with these overrides; ``base`` itself when none are set."""
+        if not self:
+            return base
+        if self.preset is not None:
+            resolved = resolve_preprocess(
+                self.preset, model_spec, self.mean, self.std, self.resize, self.crop, self.interpolation
+            )
+            assert resolved is not None  # a preset always resolves
+            return resolved
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if values is not None and (not values or (name == "std" and min(values) <= 0)):
+                raise BayescliError(f"--{name} needs one positive value per channel, got {values}")
+        if base.mean is None and (self.mean is None) != (self.std is None):
+            raise BayescliError("pass --mean and --std together (the recorded recipe has neither)")
+        fields = ("mean", "std", "resize", "crop", "interpolation")
+        given = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        if self.interpolation is not None:
+            given["interpolation"] = Interpolation(self.interpolation)
+        source = base.source if base.source.endswith("+overrides") else f"{base.source}+overrides"
+        return replace(base, source=source, **given)
+
+    def to_meta(self) -> dict:
+        """The overrides as a report records them (unset ones omitted)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for key in ("preset", "interpolation"):
+            if d[key] is not None:
+                d[key] = PreprocessPreset(d[key]).value if key == "preset" else Interpolation(d[key]).value
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items() if v is not None}

@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 from bayescli.errors import BayescliError
+from bayescli.numbers import parse_number
 
 
 @dataclass(frozen=True)
@@ -263,8 +264,10 @@ def _convert(text: str, annotation: Any, setting: str) -> Any:
                 raise ValueError(text)
             if isinstance(kind, type) and issubclass(kind, Enum):
                 return kind(text)
-            if kind in (int, float):
-                return kind(text)
+            if kind is int:
+                return int(text)
+            if kind is float:
+                return parse_number(text, f"setting {setting}")
             if kind is str:
                 return text
         except ValueError:

@@ -10,7 +10,14 @@ from bayescli import devices
 from bayescli.options import BridgeCorrection
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
-from bayescli.predictive.fidelity import fidelity_inputs, link_fidelity
+from bayescli.predictive.fidelity import (
+    FIDELITY_INPUTS,
+    FIDELITY_SAMPLES,
+    MIN_SAMPLES,
+    fidelity_inputs,
+    fidelity_samples,
+    link_fidelity,
+)
 from bayescli.predictive.links import bridge, monte_carlo, probit
 
 
@@ -75,10 +82,35 @@ def test_point_mass_links_agree_and_bridge_does_not():
 
 
 def test_fidelity_inputs_budget():
-    assert fidelity_inputs(10_000, 10, "eig", 256, 10_000) == 256
-    assert fidelity_inputs(100, 10, "diag", 256, 10_000) == 100
-    assert fidelity_inputs(10_000, 1000, "eig", 256, 10_000) == 8  # 2e10 / (1e4 · 1e6) → the minimum
-    assert fidelity_inputs(10_000, 1000, "diag", 256, 10_000) == 256
+    # MAX_WORK = 6.4e7 multiply-adds, 10× the default 32 inputs × 2000 draws × K² at K = 10
+    assert fidelity_inputs(10_000, 10, "eig", FIDELITY_INPUTS, FIDELITY_SAMPLES) == 32
+    assert fidelity_inputs(10_000, 10, "eig", 1000, 2000) == 320  # 6.4e7 / (2000 · 100)
+    assert fidelity_inputs(20, 10, "diag", 256, 2000) == 20
+    assert fidelity_inputs(10_000, 10, "diag", 256, 2000) == 256  # 6.4e7 / (2000 · 10) = 3200
+    assert fidelity_inputs(10_000, 1000, "eig", 256, 2000) == 8  # 6.4e7 / (2000 · 1e6) → the minimum
+    assert fidelity_inputs(10_000, 1000, "diag", 256, 2000) == 32  # 6.4e7 / (2000 · 1e3)
+
+
+def test_fidelity_samples_budget():
+    """Draws are cut only where the inputs are already at their minimum, never below 1000."""
+    assert fidelity_samples(32, 10, "eig", FIDELITY_SAMPLES) == FIDELITY_SAMPLES
+    assert fidelity_samples(8, 100, "eig", 10_000) == MIN_SAMPLES  # 800 affordable → the floor
+    assert fidelity_samples(8, 30, "eig", 10_000) == 8888  # 6.4e7 / (8 · 900)
+    assert fidelity_samples(8, 1000, "eig", 2000) == MIN_SAMPLES  # 8 affordable → the floor
+    assert fidelity_samples(8, 1000, "eig", 500) == 500  # never more than asked
+
+
+def test_fidelity_defaults_agree():
+    """The CLI, the config and the API run the check on FIDELITY_INPUTS by default."""
+    import inspect
+
+    from bayescli.cli.evaluate import evaluate_cmd
+    from bayescli.evaluation.config import BaselineConfig
+    from bayescli.evaluation.evaluate import evaluate
+
+    assert BaselineConfig().fidelity_inputs == FIDELITY_INPUTS
+    assert inspect.signature(evaluate).parameters["fidelity_inputs"].default == FIDELITY_INPUTS
+    assert inspect.signature(evaluate_cmd).parameters["fidelity_inputs"].default == FIDELITY_INPUTS
 
 
 def test_a_degenerate_bridge_is_null_with_a_reason_never_nan():

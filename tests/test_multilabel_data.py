@@ -62,11 +62,15 @@ def test_npz_multilabel_bad_labels_are_refused_with_one_clear_line(tmp_path):
     cases = {
         "two.npz": (
             {"y": np.array([[0, 1], [2, 0], [1, 1]])},
-            "{path}: multi-label 'y' [N, K] must hold only 0 and 1, found 2",
+            "{path}: multi-label 'y' [N, K] must hold only 0 and 1; found 2 in 1 cell (int64)",
         ),
-        "float.npz": (
-            {"y": np.ones((3, 2), np.float32)},
-            "{path}: multi-label 'y' [N, K] must hold integers 0/1, got float32; save y.astype(numpy.uint8)",
+        "soft.npz": (  # float 0./1. is accepted (tests/test_inputs.py); soft targets are not labels
+            {"y": np.array([[0, 0.5], [1, 0], [0.5, 1]], np.float32)},
+            "{path}: multi-label 'y' [N, K] must hold only 0 and 1; found 0.5 in 2 cells (float32)",
+        ),
+        "text.npz": (
+            {"y": np.array([["a", "b"], ["a", "b"], ["a", "b"]])},
+            "{path}: multi-label 'y' [N, K] must hold numbers 0/1, got <U1",
         ),
         "names.npz": (
             {"y": np.ones((3, 2), np.uint8), "class_names": np.array(["a", "b", "c"])},

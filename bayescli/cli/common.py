@@ -81,6 +81,16 @@ PreprocessOpt = Annotated[
         rich_help_panel="Preprocessing",
     ),
 ]
+PredictPreprocessOpt = Annotated[
+    PreprocessPreset | None,
+    typer.Option(
+        "--preprocess",
+        help="Replace the input recipe recorded in the posterior (timm, torchvision, imagenet, cifar, "
+        "none); --mean/--std/--resize/--crop/--interpolation change single parts of it, e.g. "
+        "--resize 28 for images of another size. Recorded in the output.",
+        rich_help_panel="Preprocessing",
+    ),
+]
 Mean = Annotated[
     str | None,
     typer.Option(
@@ -224,6 +234,32 @@ def preprocess_from_options(
     )
 
 
+def preprocess_overrides(
+    preset: PreprocessPreset | None,
+    mean: str | None,
+    std: str | None,
+    resize: int | None,
+    crop: int | None,
+    interpolation: Interpolation | None,
+) -> Any:
+    """The prediction-time changes to a posterior's recorded recipe (a
+    :class:`~bayescli.preprocess.PreprocessOverrides`, falsy when none was asked for)."""
+    from bayescli.preprocess import PreprocessOverrides
+
+    return PreprocessOverrides(
+        preset, floats(mean, "--mean"), floats(std, "--std"), resize, crop, interpolation
+    )
+
+
+def preprocess_record(model: LoadedModel, overrides: Any) -> dict:
+    """What a prediction report says about its inputs' recipe: the one used and, when asked for,
+    the overrides of the posterior's recorded one."""
+    record = {"preprocess": model.preprocess.to_meta()}
+    if overrides:
+        record["preprocess_overrides"] = overrides.to_meta()
+    return record
+
+
 def data_options(
     *,
     data_root: Path,
@@ -307,13 +343,30 @@ def model_facts(loaded: LoadedModel) -> dict:
 
 
 def floats(text: str | None, option: str) -> tuple[float, ...] | None:
-    """``"0.5,0.5,0.5"`` → ``(0.5, 0.5, 0.5)``; a clear error otherwise."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise BayescliError(f"{option} takes comma-separated numbers like 0.5,0.5,0.5: '{text}'") from None
+    """``"0.5,1/255"`` → ``(0.5, 0.00392…)`` (numbers or fractions); a clear error otherwise."""
+    from bayescli.numbers import parse_numbers
+
+    return None if text is None else parse_numbers(text, option)
+
+
+def number(option: str, lo: float | None = None, hi: float | None = None) -> Callable[[str | float], float]:
+    """A Typer ``parser=`` for a float option that also takes fractions (``1/255``), as every number
+    the CLI reads does, with the bounds ``[lo, hi]`` (Typer ignores ``min``/``max`` once a parser is
+    given). Bad values exit 2 with a usage line naming the option."""
+    from bayescli.numbers import parse_number
+
+    def parse(text: str | float) -> float:
+        try:
+            value = parse_number(text, option)
+        except BayescliError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            low, high = ("-inf" if lo is None else f"{lo:g}"), ("inf" if hi is None else f"{hi:g}")
+            raise typer.BadParameter(f"{option} must be within [{low}, {high}]; got {text}")
+        return value
+
+    parse.__name__ = "number"  # the metavar --help shows
+    return parse
 
 
 def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
@@ -346,18 +399,20 @@ def prepare_prediction(
     model: str | None = None,
     trust_model_code: bool = False,
     softmax_only: str | None = None,
+    preprocess: Any = None,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
     posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
     the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`).
     ``softmax_only`` names a command that refuses multi-label (bernoulli) models. Labelled data
-    with a low MAP accuracy prints a warning."""
+    with a low MAP accuracy prints a warning. ``preprocess`` (:func:`preprocess_overrides`) changes
+    the recorded input recipe."""
     from bayescli.features import extract_features
     from bayescli.posterior.base import load_posterior
 
     dev = resolve_device(device)
     post = load_posterior(posterior, dev)
-    model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code)
+    model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code, preprocess=preprocess)
     if softmax_only is not None:
         model.require_categorical(softmax_only, SOFTMAX_ONLY_REASONS.get(softmax_only))
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)

@@ -45,10 +45,12 @@ def conformal_cmd(
         str, typer.Option(help="Non-conformity score: lac, aps, aps-random (randomised) or raps.")
     ] = "lac",
     alpha: Annotated[
-        float, typer.Option(min=1e-6, max=1 - 1e-6, help="Miscoverage: sets cover 1 - ALPHA.")
+        float,
+        typer.Option(parser=c.number("--alpha", 1e-6, 1 - 1e-6), help="Miscoverage: sets cover 1 - ALPHA."),
     ] = 0.1,
     raps_lambda: Annotated[
-        float, typer.Option(min=0.0, help="RAPS penalty per rank beyond --raps-kreg.")
+        float,
+        typer.Option(parser=c.number("--raps-lambda", 0.0), help="RAPS penalty per rank beyond --raps-kreg."),
     ] = 0.01,
     raps_kreg: Annotated[int, typer.Option(min=0, help="RAPS: ranks without penalty.")] = 5,
     val_data: Annotated[
@@ -60,6 +62,12 @@ def conformal_cmd(
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -95,9 +103,10 @@ def conformal_cmd(
             f"unknown score '{score}'; use one of {', '.join(s.value for s in ConformalScore)}"
         ) from None
     ccfg = ConformalConfig(score_kind, alpha, raps_lambda, raps_kreg)
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
-        model=model_spec, trust_model_code=trust_model_code,
+        model=model_spec, trust_model_code=trust_model_code, preprocess=overrides,
     )  # fmt: skip
     multilabel = post.likelihood == "bernoulli"
     if multilabel and score_kind is not ConformalScore.LAC:
@@ -124,7 +133,7 @@ def conformal_cmd(
     result, sets = standalone_conformal(
         post, model, method, test, feats, cal, cal_feats, ccfg, val_data or cal_spec, cfg
     )
-    report = _report(post, test, result)
+    report = {**_report(post, test, result), **c.preprocess_record(model, overrides)}
     if out is not None:
         names = model.class_names
         labels = feats.labels.tolist() if feats.labels is not None else None

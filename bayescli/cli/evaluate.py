@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from bayescli import progress
 from bayescli.cli import common as c
 from bayescli.options import (
     DEFAULT_METHODS,
@@ -69,15 +70,17 @@ def evaluate_cmd(
     conformal: Annotated[
         float | None,
         typer.Option(
-            min=1e-6,
-            max=1 - 1e-6,
+            parser=c.number("--conformal", 1e-6, 1 - 1e-6),
             help="Run split conformal sets at miscoverage ALPHA (calibrated on a seeded half of --data).",
         ),
     ] = None,
     fidelity_inputs: Annotated[
         int,
-        typer.Option(min=0, help="Test inputs for the link-fidelity check (KL to MC, 10⁴ draws); 0 = off."),
-    ] = 256,
+        typer.Option(
+            min=0,
+            help="Test inputs for the link-fidelity check (a seeded subset; KL to MC, 2000 draws); 0 = off.",
+        ),
+    ] = 32,
     rotation: Annotated[str | None, typer.Option(help="Angles START:STOP:STEP, e.g. 0:180:15.")] = None,
     corruption: Annotated[str | None, typer.Option(help="all or NAME,NAME,...")] = None,
     severity: Annotated[str, typer.Option(help="1-5 or 1,3,5.")] = "1-5",
@@ -97,6 +100,12 @@ def evaluate_cmd(
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -165,12 +174,13 @@ def evaluate_cmd(
     likelihood_of(posts)  # softmax and multi-label posteriors mixed: refused before models and data load
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict] = {}
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     for tag, post in posts.items():
         recipes.setdefault(preprocess_key(post), {})[tag] = post
     models, tests, ggp_data = {}, {}, {}
     for members in recipes.values():
         model = next(iter(members.values())).load_model(
-            checkpoint, model=model_spec, trust_model_code=trust_model_code
+            checkpoint, model=model_spec, trust_model_code=trust_model_code, preprocess=overrides
         )
         test = c.load(data, data_root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)
         for tag, post in members.items():
@@ -179,9 +189,12 @@ def evaluate_cmd(
                 ggp_data[tag] = load_ggp_data(post, model, cfg)
     first = next(iter(posts))
     model, test = models[first], tests[first]
-    report = evaluate(
-        posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
-    )
+    with progress.session("evaluate"):
+        report = evaluate(
+            posts, tests, model=models, fail_if=fail_if or [], ggp_data=ggp_data, device=cfg.device, **options
+        )
+    if overrides:
+        report["protocol"]["preprocess_overrides"] = overrides.to_meta()
     if report["map_accuracy"] is not None:
         warning = low_accuracy_warning(
             report["map_accuracy"], model.classifier.num_classes, f"the test data {data}"

@@ -25,8 +25,7 @@ ValData = Annotated[
 ValSplit = Annotated[
     float | None,
     typer.Option(
-        min=0.0,
-        max=1.0,
+        parser=c.number("--val-split", 0.0, 1.0),
         help="Hold out this seeded fraction of --data for validation (only for data the net never saw: "
         "a net has memorised its training rows).",
         rich_help_panel="Validation",

@@ -43,25 +43,37 @@ Opt = typer.Option
 VariantOpt = Annotated[str | None, Opt(help="MNVI: noise-only (ρ only) or mean-and-noise.")]
 FamilyOpt = Annotated[str | None, Opt(help="Dirichlet fVI: ensemble, mfvi, map or dropout.")]
 MembersOpt = Annotated[int | None, Opt(min=1, help="Dirichlet fVI: function samples / heads M.")]
-KlWeightOpt = Annotated[float | None, Opt(min=0.0, help="MNVI: KL weight κ/N.")]
-PriorVarOpt = Annotated[float | None, Opt(min=0.0, help="MNVI: prior variance σ².")]
-PriorScaleOpt = Annotated[float | None, Opt(min=0.0, help="FSVI: c in σ_p² = c / mean‖φ̃‖².")]
-TauOpt = Annotated[float | None, Opt(min=0.0, help="Dirichlet fVI: KL temperature τ.")]
-BetaOpt = Annotated[float | None, Opt(min=0.0, help="Dirichlet fVI: prior concentration β.")]
-Rho0Opt = Annotated[float | None, Opt(help="MNVI: initial noise parameter ρ₀ (a = softplus(ρ₀)).")]
+KlWeightOpt = Annotated[float | None, Opt(parser=c.number("--kl-weight", 0.0), help="MNVI: KL weight κ/N.")]
+PriorVarOpt = Annotated[
+    float | None, Opt(parser=c.number("--prior-var", 0.0), help="MNVI: prior variance σ².")
+]
+PriorScaleOpt = Annotated[
+    float | None, Opt(parser=c.number("--prior-scale", 0.0), help="FSVI: c in σ_p² = c / mean‖φ̃‖².")
+]
+TauOpt = Annotated[float | None, Opt(parser=c.number("--tau", 0.0), help="Dirichlet fVI: KL temperature τ.")]
+BetaOpt = Annotated[
+    float | None, Opt(parser=c.number("--beta", 0.0), help="Dirichlet fVI: prior concentration β.")
+]
+Rho0Opt = Annotated[
+    float | None, Opt(parser=c.number("--rho0"), help="MNVI: initial noise parameter ρ₀ (a = softplus(ρ₀)).")
+]
 SamplesOpt = Annotated[int | None, Opt(min=1, help="Monte-Carlo samples in the expected log-likelihood.")]
 ContextOpt = Annotated[str | None, Opt(help="FSVI: monochrome, augment or a data spec.")]
 ContextPointsOpt = Annotated[int | None, Opt(min=1, help="FSVI: context points per step.")]
 IndexDataOpt = Annotated[str | None, Opt(help="Dirichlet fVI: extra index-set data spec.")]
-DropoutOpt = Annotated[float | None, Opt(min=0.0, max=1.0, help="Dirichlet fVI: dropout rate on φ.")]
+DropoutOpt = Annotated[
+    float | None, Opt(parser=c.number("--dropout", 0.0, 1.0), help="Dirichlet fVI: dropout rate on φ.")
+]
 EpochsOpt = Annotated[int | None, Opt(min=1, help="Training epochs (default: the method's).")]
-LrOpt = Annotated[float | None, Opt(min=0.0, help="Learning rate (default: the method's).")]
+LrOpt = Annotated[
+    float | None, Opt(parser=c.number("--lr", 0.0), help="Learning rate (default: the method's).")
+]
 TrainBatchSizeOpt = Annotated[int | None, Opt(min=1, help="Minibatch size of the VI objective.")]
 CovarianceOpt = Annotated[str | None, Opt(help="GLM VI: diag or full posterior covariance.")]
 PriorPrecisionOpt = Annotated[
     float | None,
     Opt(
-        min=0.0,
+        parser=c.number("--prior-precision", 0.0),
         help="GLM/GGP VI, BBB: prior precision δ (default: chosen on held-out data when there is any, else "
         "the Laplace marginal likelihood; BBB from scratch: 1).",
     ),

@@ -56,6 +56,12 @@ def predict_cmd(
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -96,6 +102,7 @@ def predict_cmd(
         raise typer.BadParameter("use a .json, .jsonl or .safetensors file", param_hint="--out")
     if save_logits and (out is None or out.suffix != ".safetensors"):
         raise typer.BadParameter("--save-logits needs --out FILE.safetensors", param_hint="--save-logits")
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     post, model, test, feats = c.prepare_prediction(
         posterior,
         checkpoint,
@@ -110,6 +117,7 @@ def predict_cmd(
         skip_unreadable,
         model=model_spec,
         trust_model_code=trust_model_code,
+        preprocess=overrides,
     )
     native = post.native_dirichlet
     if link is None:
@@ -187,6 +195,7 @@ def predict_cmd(
         "posterior": str(posterior),
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
+        **c.preprocess_record(model, overrides),
         "likelihood": post.likelihood,
         "predictive": predictive.value,
         "link": link.value,

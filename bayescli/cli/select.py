@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from bayescli import progress
 from bayescli.cli import common as c
 from bayescli.cli.fit_options import ValData, ValSplit
 
@@ -103,7 +104,7 @@ def select_cmd(
         if row.get("warning"):
             c.warn(f"{name}: {row['warning']}")
 
-    with c.low_accuracy_seen() as seen:
+    with c.low_accuracy_seen() as seen, progress.session("select"):
         board, _ = select(
             source, ood_sets, options, data_options=data_opts, out_dir=out_dir, on_fitted=fitted
         )

@@ -17,13 +17,19 @@ def topk_cmd(
     data: Annotated[str, typer.Option(help="Data spec, e.g. digits:test.")],
     out: Annotated[Path | None, typer.Option(help="Write sets and summary as JSON.")] = None,
     threshold: Annotated[
-        float, typer.Option(min=1e-9, max=1 - 1e-9, help="Overlap level T in (0, 1).")
+        float, typer.Option(parser=c.number("--threshold", 1e-9, 1 - 1e-9), help="Overlap level T in (0, 1).")
     ] = 0.05,
     max_k: Annotated[int, typer.Option(min=1, help="Largest set returned.")] = 10,
     correction: Annotated[BridgeCorrection, typer.Option(help="Bridge correction.")] = DEFAULT_CORRECTION,
     checkpoint: c.CheckpointOverride = None,
     model_spec: c.ConfirmModel = None,
     trust_model_code: c.TrustModelCode = False,
+    preprocess: c.PredictPreprocessOpt = None,
+    mean: c.Mean = None,
+    std: c.Std = None,
+    resize: c.Resize = None,
+    crop: c.Crop = None,
+    interpolation: c.InterpolationOpt = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
@@ -45,6 +51,7 @@ def topk_cmd(
     from bayescli.predictive.topk import topk_summary, uncertainty_topk
 
     c.setup(quiet, as_json, seed)
+    overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     post, model, test, feats = c.prepare_prediction(
         posterior,
         checkpoint,
@@ -59,6 +66,7 @@ def topk_cmd(
         skip_unreadable,
         model=model_spec,
         trust_model_code=trust_model_code,
+        preprocess=overrides,
         softmax_only="topk",
     )
     pred = predict(
@@ -80,6 +88,7 @@ def topk_cmd(
         "bayescli_version": __version__,
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
+        **c.preprocess_record(model, overrides),
         "threshold": threshold,
         "max_k": max_k,
         "bridge_correction": correction.value,

@@ -53,8 +53,12 @@ def train(
     data: Annotated[str, typer.Option(help="Training data spec.")] = "digits:train",
     val: Annotated[str | None, typer.Option(help="Validation data spec (default: the val split).")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Default: the method's.")] = None,
-    lr: Annotated[float | None, typer.Option(min=0.0, help="Default: the method's.")] = None,
-    weight_decay: Annotated[float, typer.Option(min=0.0)] = TrainConfig.weight_decay,
+    lr: Annotated[
+        float | None, typer.Option(parser=c.number("--lr", 0.0), help="Default: the method's.")
+    ] = None,
+    weight_decay: Annotated[
+        float, typer.Option(parser=c.number("--weight-decay", 0.0))
+    ] = TrainConfig.weight_decay,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Default: the method's.")] = None,
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from bayescli.data.base import Data, Source
 from bayescli.errors import BayescliError
+from bayescli.numbers import parse_number
 
 SYNTHETIC_OOD = ("noise:uniform", "noise:gaussian", "patches")
 
@@ -37,13 +38,13 @@ def parse_angles(text: str) -> list[float]:
     """``START:STOP:STEP`` (inclusive of STOP) or ``a,b,c``."""
     try:
         if ":" in text:
-            start, stop, step = (float(t) for t in text.split(":"))
+            start, stop, step = (parse_number(t, "--rotation") for t in text.split(":"))
             if step <= 0:
                 raise ValueError
             count = int(round((stop - start) / step)) + 1
             return [start + i * step for i in range(max(count, 0))]
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
+        return [parse_number(t, "--rotation") for t in text.split(",") if t.strip()]
+    except (ValueError, BayescliError):
         raise BayescliError(f"--rotation must look like 0:180:15 or 0,90,180; got '{text}'") from None
 
 

@@ -46,8 +46,10 @@ def digits() -> ArrayData:
 def npz(path: Path) -> ArrayData:
     """Arrays ``x`` (``[N, ...]``; uint8 pixels or floats), optional ``y`` and ``class_names``.
 
-    ``y`` is ``[N]`` integer class indices, or ``[N, K]`` multi-label indicators (integer or bool,
-    every value 0 or 1; ``class_names``, if given, has one entry per column), read as int64.
+    ``y`` is ``[N]`` integer class indices, or ``[N, K]`` multi-label indicators (any numeric
+    dtype or bool, every value exactly 0 or 1; ``class_names``, if given, has one entry per
+    column), read as int64. Float images must lie in [0, 1] (:func:`check_pixel_range`) and images
+    be channels-first (:func:`check_layout`).
     """
     if not path.is_file():
         raise BayescliError(f"npz file not found: {path}")
@@ -59,8 +61,10 @@ def npz(path: Path) -> ArrayData:
             names = [str(s) for s in f["class_names"]] if "class_names" in f.files else None
     except (ValueError, OSError) as exc:
         raise BayescliError(f"cannot read {path} as .npz ({exc}); save with numpy.savez") from None
+    check_layout(x_np, path)
     if x_np.dtype != np.uint8:
         x_np = x_np.astype(np.float32)
+        check_pixel_range(x_np, path)
     x = torch.from_numpy(np.ascontiguousarray(x_np))
     y = None
     if y_np is not None:
@@ -79,6 +83,40 @@ def npz(path: Path) -> ArrayData:
     return ArrayData(x, y, names or [str(i) for i in range(k)], {"source": str(path)})
 
 
+# Float pixels are read as [0, 1]; above this the array holds another scale (0–255 most often).
+# The slack over 1 leaves room for resampling overshoot in images saved after a resize.
+MAX_FLOAT_PIXEL = 1.5
+
+
+def check_layout(x_np: np.ndarray, path: Path) -> None:
+    """Refuse channels-last images ``[N, H, W, C]`` (numpy/PIL/TensorFlow order): bayescli reads
+    ``[N, C, H, W]``, and a transposed array would otherwise fail later as a shape mismatch."""
+    channels = (1, 3, 4)
+    if x_np.ndim == 4 and x_np.shape[-1] in channels and x_np.shape[1] not in channels:
+        n, h, w, c = x_np.shape
+        raise BayescliError(
+            f"{path}: 'x' is channels-last [N, H, W, C] = [{n}, {h}, {w}, {c}]; bayescli reads images "
+            "as [N, C, H, W]: save x.transpose(0, 3, 1, 2)"
+        )
+
+
+def check_pixel_range(x_np: np.ndarray, path: Path) -> None:
+    """Refuse float images (``x [N, C, H, W]`` or ``[N, H, W]``) with values above
+    :data:`MAX_FLOAT_PIXEL`: float pixels are read as [0, 1], and 0–255 floats used as such give
+    a net inputs 255× too bright while the accuracy only drops a little (nothing would say so).
+    Tabular ``[N, D]`` inputs have no pixel scale and pass."""
+    if x_np.ndim < 3 or not x_np.size:
+        return
+    finite = x_np[np.isfinite(x_np)]  # NaN/inf are refused by the caller's finiteness check
+    if finite.size and float(finite.max()) > MAX_FLOAT_PIXEL:
+        lo, hi = float(finite.min()), float(finite.max())
+        raise BayescliError(
+            f"{path}: float images 'x' hold values in [{lo:g}, {hi:g}], but float pixels are read in "
+            "[0, 1]: save x / 255 (0–255 pixels) or x.astype(numpy.uint8); for normalised inputs save "
+            "the [0, 1] pixels and pass --mean/--std"
+        )
+
+
 def _multi_hot(y_np: np.ndarray, names: list[str] | None, path: Path) -> tuple[torch.Tensor, list[str]]:
     """Multi-label ``y [N, K]`` of an npz file as int64 and its class names, after checking the
     dtype, the values and the names.
@@ -86,14 +124,20 @@ def _multi_hot(y_np: np.ndarray, names: list[str] | None, path: Path) -> tuple[t
     Checked here (not only by :class:`Data`) so that the messages name the array and file. Class
     names default to the column numbers.
     """
-    if not (np.issubdtype(y_np.dtype, np.integer) or y_np.dtype == np.bool_):
-        raise BayescliError(
-            f"{path}: multi-label 'y' [N, K] must hold integers 0/1, got {y_np.dtype}; "
-            "save y.astype(numpy.uint8)"
-        )
+    if not (np.issubdtype(y_np.dtype, np.number) or y_np.dtype == np.bool_):
+        raise BayescliError(f"{path}: multi-label 'y' [N, K] must hold numbers 0/1, got {y_np.dtype}")
+    # any numeric dtype, as long as every value is exactly 0 or 1 (float 0./1. is what
+    # BCEWithLogitsLoss takes); soft or smoothed targets are not labels
     bad = (y_np != 0) & (y_np != 1)
     if bad.any():
-        raise BayescliError(f"{path}: multi-label 'y' [N, K] must hold only 0 and 1, found {y_np[bad][0]}")
+        values = np.unique(y_np[bad])
+        shown = ", ".join(f"{v:g}" if np.isfinite(v) else str(v) for v in values[:5].tolist())
+        more = f" and {len(values) - 5} more" if len(values) > 5 else ""
+        cells = int(bad.sum())
+        raise BayescliError(
+            f"{path}: multi-label 'y' [N, K] must hold only 0 and 1; found {shown}{more} "
+            f"in {cells} cell{'s' if cells != 1 else ''} ({y_np.dtype})"
+        )
     if names is not None and len(names) != y_np.shape[1]:
         raise BayescliError(
             f"{path}: 'class_names' has {len(names)} entries but 'y' has {y_np.shape[1]} label columns"

@@ -13,17 +13,14 @@ from torch import nn
 
 from bayescli.errors import BayescliError
 from bayescli.models import Classifier
+from bayescli.numbers import parse_number
 
 
 def parse_epsilons(text: str) -> list[tuple[str, float]]:
     """``0,2/255,0.03`` → ``[("0", 0.0), ("2/255", 0.00784…), ("0.03", 0.03)]``."""
     out = []
     for token in (t.strip() for t in text.split(",") if t.strip()):
-        try:
-            num, _, den = token.partition("/")
-            value = float(num) / (float(den) if den else 1.0)
-        except (ValueError, ZeroDivisionError):
-            raise BayescliError(f"--fgsm takes numbers or fractions like 8/255; got '{token}'") from None
+        value = parse_number(token, "--fgsm")
         if not 0 <= value <= 1:
             raise BayescliError(f"FGSM ε must be within [0, 1] (pixel units); got {token}")
         out.append((token, value))

@@ -38,6 +38,7 @@ from bayescli.predictive.fidelity import (
     KL_WARNING,
     MC_REFERENCE,
     fidelity_inputs,
+    fidelity_samples,
     link_fidelity,
     reference_name,
     subset_index,
@@ -381,24 +382,27 @@ def fidelity_suite(
     }
     results: dict = {}
     inputs: dict[str, int] = {}
+    samples: dict[str, int] = {}
     references: dict[str, str] = {}
     warnings: list[str] = []
     for tag, post in posteriors.items():
         lg = logit_gaussian(post, sub_feats, model.classifier, test.subset(idx), cfg.batch_size)
         keep = fidelity_inputs(len(lg), lg.num_classes, lg.kind, size, FIDELITY_SAMPLES)
+        draws = fidelity_samples(keep, lg.num_classes, lg.kind, FIDELITY_SAMPLES)
         labels = None if sub_feats.labels is None else sub_feats.labels[:keep]
-        rows, lines = link_fidelity(
-            lg.slice(slice(0, keep)), labels, FIDELITY_SAMPLES, cfg.seed, KL_WARNING, used
-        )
+        rows, lines = link_fidelity(lg.slice(slice(0, keep)), labels, draws, cfg.seed, KL_WARNING, used)
         pre = f"{tag}/" if (len(posteriors) > 1 if prefix is None else prefix) else ""
         results |= {pre + link: row for link, row in rows.items()}
         warnings += [f"{tag}: {line}" if pre else line for line in lines]
         inputs[tag] = keep
+        samples[tag] = draws
         references[tag] = reference_name(lg)
     reference = next(iter(references.values()), MC_REFERENCE)
     protocol = {
         "inputs": next(iter(inputs.values())) if len(inputs) == 1 and not prefix else inputs,
-        "samples": FIDELITY_SAMPLES,
+        "of": len(test),
+        "selection": "seeded random subset of the test inputs (seed below)",
+        "samples": next(iter(samples.values())) if len(samples) == 1 and not prefix else samples,
         "seed": cfg.seed,
         "predictive": "glm",
         "reference": reference if len(set(references.values())) == 1 else references,

@@ -55,7 +55,7 @@ class BaselineConfig:
     val_data: str | Data | None = None
     fit_cache: Path | None = None
     conformal: float | None = None
-    fidelity_inputs: int = 256
+    fidelity_inputs: int = 32
     knn_k: int = 10
     knn_bank: int | None = 10_000
     ridge: float = 1e-6

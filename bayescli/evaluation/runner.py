@@ -48,7 +48,7 @@ from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
 from bayescli.preprocess import Preprocess
-from bayescli.progress import track
+from bayescli.progress import stage, track
 
 SCHEMA_VERSION = 3
 # A method whose argmax differs from MAP's on more than this fraction of the test inputs is flagged:
@@ -314,8 +314,10 @@ def run_evaluation(
     if test.y is None:
         raise BayescliError(f"{test.spec} has no labels; evaluation needs labelled test data")
     check_input_shape(model, test)
+    stage("prepare methods (GGP fits, temperature, OOD detectors)")
     ev = Evaluator(posteriors, model, cfg, prefix, fitted, test.info)
     start = time.perf_counter()
+    stage(f"in-distribution: backbone pass and predictives on {len(test)} test inputs")
     clean = ev.outputs(test, detect=bool(cfg.ood))
     clean_feats = ev.last_features
     if ev.bernoulli:
@@ -344,12 +346,15 @@ def run_evaluation(
         warnings += argmax_changes(results["in_distribution"], clean, clean_feats.logits)
         warnings += degenerate_posteriors(ev.methods, clean, posteriors)
     if fidelity_runs(cfg):
+        stage(f"link fidelity ({min(cfg.baselines.fidelity_inputs, len(test))} inputs)")
         t0 = time.perf_counter()
         results["link_fidelity"], protocol["link_fidelity"], lines = fidelity_suite(
             posteriors, model, clean_feats, test, cfg, ev.prefix
         )
         warnings += lines
         ev.timings["link_fidelity"] = time.perf_counter() - t0
+    if cfg.baselines.conformal is not None:
+        stage("conformal sets")
     if cfg.baselines.conformal is not None and ev.bernoulli:
         t0 = time.perf_counter()
         results["conformal"], protocol["conformal"] = ml.conformal_suite(
@@ -364,6 +369,7 @@ def run_evaluation(
         ev.timings["conformal"] = time.perf_counter() - t0
 
     if cfg.ood:
+        stage(f"OOD: {len(cfg.ood)} set{'s' if len(cfg.ood) != 1 else ''}")
         protocol["ood"] = {
             "positive": "in-distribution",
             "score_orientation": "higher = in-distribution",
@@ -396,6 +402,7 @@ def run_evaluation(
             }
 
     if cfg.rotations:
+        stage(f"rotation: {len(cfg.rotations)} angles")
         protocol["rotation"] = {"angles": cfg.rotations, "interpolation": "bilinear", "fill": 0}
         results["rotation"] = {}
         for angle in track(cfg.rotations, len(cfg.rotations), "rotations"):
@@ -403,6 +410,7 @@ def run_evaluation(
             results["rotation"][f"{angle:g}"] = ev.summaries(rotated)
 
     if cfg.corruptions:
+        stage(f"corruption: {len(cfg.corruptions)} corruptions × {len(cfg.severities)} severities")
         official = cfg.corruption_root is not None
         protocol["corruption"] = {
             "source": f"official files under {cfg.corruption_root}"
@@ -428,6 +436,7 @@ def run_evaluation(
             results["corruption"].setdefault(name, {})[str(sev)] = ev.summaries(data)
 
     if cfg.epsilons:
+        stage(f"FGSM: {len(cfg.epsilons)} ε")
         protocol["fgsm"] = {
             "space": "pixel [0, 1]",
             "target": "MAP network (white-box)",
@@ -502,7 +511,9 @@ def run_grouped(groups: list[tuple[dict[str, Posterior], LoadedModel, Data]], cf
             elif key == "ggp":
                 report["protocol"].setdefault("ggp", {}).update(value)
             elif key == "link_fidelity":
-                report["protocol"].setdefault("link_fidelity", value)["inputs"].update(value["inputs"])
+                fidelity = report["protocol"].setdefault("link_fidelity", value)
+                for part in ("inputs", "samples"):  # per posterior tag in grouped reports
+                    fidelity[part].update(value[part])
             else:
                 report["protocol"].setdefault(key, value)
         for key, sec in other["timings"].items():

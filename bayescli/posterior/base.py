@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from bayescli.data import Data
     from bayescli.models import Classifier, LoadedModel
     from bayescli.posterior.gaussian import LogitGaussian
+    from bayescli.preprocess import PreprocessOverrides
 
 FORMAT = "bayescli-posterior"
 FORMAT_VERSION = 1
@@ -166,6 +167,7 @@ class Posterior(ABC):
         *,
         model: str | None = None,
         trust_model_code: bool = False,
+        preprocess: PreprocessOverrides | None = None,
     ) -> LoadedModel:
         """Re-create the network the posterior was fitted on, verifying the checkpoint's hash.
 
@@ -173,6 +175,8 @@ class Posterior(ABC):
         spec is used as read unless it names ``py:`` code: that is imported only when ``model``
         names the same spec or ``trust_model_code`` is set (a shared file must not choose code to
         run). Recorded factory arguments are passed back under the rules for arguments from files.
+        ``preprocess`` overrides parts of the recorded input recipe (e.g. ``resize`` for images of
+        another size); the returned model's ``preprocess`` is the recipe used.
         """
         from bayescli.model_args import check_file_spec
         from bayescli.models import load_classifier
@@ -195,6 +199,7 @@ class Posterior(ABC):
             # a checkpoint saved elsewhere was declared multi-label at fit time (--likelihood); the
             # checkpoint hash above pins the file, so only a declaration is passed back, never a default
             likelihood=self.likelihood if self.likelihood != "categorical" else None,
+            preprocess_overrides=preprocess,
         )
         if loaded.classifier.num_classes != self.meta.get("num_classes", loaded.classifier.num_classes):
             raise BayescliError(

@@ -1,7 +1,7 @@
 """Link fidelity: how far each analytic link is from the predictive it approximates.
 
 On a seeded subset of inputs, the reference is the Monte Carlo predictive ``E[softmax(z)]``,
-``z ~ N(μ, Σ)``, with many samples (10⁴ by default); each analytic link's probabilities are
+``z ~ N(μ, Σ)``, with many samples (2000 by default); each analytic link's probabilities are
 compared to it by ``KL(MC ‖ link)`` per input (nats). The MC estimate's own noise biases the KL
 upwards by about ``Σ_k Var[softmax_k] / (2 M p_k)`` (second-order expansion of the KL around the
 exact predictive); that ``noise_floor`` is reported beside it so a small KL can be read.
@@ -24,24 +24,45 @@ from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.predictive import dirichlet
 from bayescli.predictive.links import bridge, monte_carlo, probit, sodpp
 
-FIDELITY_SAMPLES = 10_000
-FIDELITY_INPUTS = 256
+FIDELITY_SAMPLES = 2000
+# A seeded subset of this many test inputs, and FIDELITY_SAMPLES draws, by default: the check runs
+# on every evaluate, and its MC reference costs samples × inputs × K² multiply-adds (full
+# covariances), which at 256 inputs × 10⁴ draws was most of an evaluate on digits. The mean KL over
+# 32 inputs still tells a link off by more than KL_WARNING from one that is not, and the MC noise
+# floor at 2000 draws, about (K − 1) / (2M) ≤ 2.5e-3 nats at K = 10, is 20× below KL_WARNING (the
+# report gives it); ``--fidelity-inputs`` asks for more inputs.
+FIDELITY_INPUTS = 32
 KL_WARNING = 0.05
 GAUSSIAN_IMAGE = "gaussian image of the Dirichlet (inverse Laplace bridge)"
 MC_REFERENCE = "Monte Carlo E[softmax(z)], z ~ N(mu, Sigma)"
 DIRICHLET_REFERENCE = "the posterior's Dirichlet mean alpha / alpha0 (its native predictive)"
-# Sampling work (samples × inputs × per-draw cost) allowed before the subset is shrunk; 2e10
-# multiply-adds are a few seconds on two cores.
-MAX_WORK = 2e10
+# Sampling work (samples × inputs × per-draw cost) allowed before the subset, then the samples,
+# are cut: ten times the default's 32 inputs × 2000 draws of a 10-class full covariance (6.4e6
+# multiply-adds), so many classes cannot make the check cost minutes; 1000-class nets with full
+# covariances keep 8 inputs and at least 1000 draws.
+MAX_WORK = 6.4e7
 MIN_INPUTS = 8
+MIN_SAMPLES = 1000
+
+
+def _per_draw(num_classes: int, kind: str) -> int:
+    """Multiply-adds per draw: ``K`` for diagonal covariances, ``K²`` for eigen-form and full ones."""
+    return num_classes if kind == "diag" else num_classes**2
 
 
 def fidelity_inputs(n: int, num_classes: int, kind: str, inputs: int, samples: int) -> int:
-    """How many inputs to use: ``inputs`` unless the draws would exceed ``MAX_WORK``
-    (a draw costs ``K`` for diagonal covariances, ``K²`` for eigen-form and full ones)."""
-    per_draw = num_classes if kind == "diag" else num_classes**2
-    affordable = int(MAX_WORK // (samples * per_draw))
+    """How many of ``n`` inputs to use: ``inputs`` unless the draws would exceed ``MAX_WORK``,
+    never fewer than ``MIN_INPUTS`` (or ``n``)."""
+    affordable = int(MAX_WORK // (samples * _per_draw(num_classes, kind)))
     return max(1, min(n, inputs, max(MIN_INPUTS, affordable)))
+
+
+def fidelity_samples(inputs: int, num_classes: int, kind: str, samples: int) -> int:
+    """MC draws for ``inputs`` inputs: ``samples`` unless that exceeds ``MAX_WORK`` (large ``K``
+    after :func:`fidelity_inputs` has cut the inputs), never fewer than ``MIN_SAMPLES``; the
+    report's ``noise_floor`` says what the fewer draws cost in precision."""
+    affordable = int(MAX_WORK // (max(1, inputs) * _per_draw(num_classes, kind)))
+    return max(min(samples, MIN_SAMPLES), min(samples, affordable))
 
 
 def subset_index(n: int, size: int, seed: int) -> torch.Tensor:

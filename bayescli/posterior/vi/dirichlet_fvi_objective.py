@@ -19,6 +19,7 @@ import torch
 
 from bayescli.dirichlet import fit_precision_vectorised
 from bayescli.errors import BayescliError, require
+from bayescli.numbers import parse_numbers
 from bayescli.progress import track
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ MINKA_MAX_ITER = 50  # VI-SPEC A6.3: the seed saw up to 1172 iterations; 0 exact
 def parse_beta(beta: float | str, num_classes: int) -> torch.Tensor:
     """``β [K]`` (float64) from a number or a comma list of ``K`` positive numbers."""
     try:
-        values = [float(t) for t in beta.split(",")] if isinstance(beta, str) else [float(beta)]
-    except ValueError:
+        values = list(parse_numbers(beta, "beta")) if isinstance(beta, str) else [float(beta)]
+    except (ValueError, BayescliError):
         raise BayescliError(f"beta must be a number or a comma list of {num_classes}, got '{beta}'") from None
     require(
         len(values) in (1, num_classes),

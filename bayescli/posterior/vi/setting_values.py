@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bayescli.errors import BayescliError
+from bayescli.numbers import parse_number
 
 
 def as_float(value: object, name: str) -> float | None:
@@ -12,6 +13,8 @@ def as_float(value: object, name: str) -> float | None:
     """
     if value is None or (isinstance(value, str) and value.lower() in ("auto", "none")):
         return None
+    if isinstance(value, str):
+        return parse_number(value, name)
     try:
         return float(value)
     except (TypeError, ValueError):
