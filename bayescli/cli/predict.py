@@ -62,6 +62,7 @@ def predict_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -110,6 +111,7 @@ def predict_cmd(
         skip_unreadable,
         model=model_spec,
         trust_model_code=trust_model_code,
+        precision=precision,
     )
     native = post.native_dirichlet
     if link is None:
@@ -188,6 +190,7 @@ def predict_cmd(
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
         "likelihood": post.likelihood,
+        "precision": model.precision.value,
         "predictive": predictive.value,
         "link": link.value,
         "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,

@@ -30,6 +30,7 @@ def topk_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -60,6 +61,7 @@ def topk_cmd(
         model=model_spec,
         trust_model_code=trust_model_code,
         softmax_only="topk",
+        precision=precision,
     )
     pred = predict(
         post,
@@ -80,6 +82,7 @@ def topk_cmd(
         "bayescli_version": __version__,
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
+        "precision": model.precision.value,
         "threshold": threshold,
         "max_k": max_k,
         "bridge_correction": correction.value,
