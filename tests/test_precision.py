@@ -29,7 +29,10 @@ ROUNDED_LAYERS = 3  # small-cnn's conv, conv and linear layers before φ, each r
 def _fit(ckpt, precision: str):
     settings = LaplaceSettings(hessian="full", prior_precision=1.0)  # one δ: only the features differ
     run = fit_from_specs(
-        "laplace", ModelOptions("builtin:small-cnn", ckpt, precision=precision), "digits:train", settings=settings
+        "laplace",
+        ModelOptions("builtin:small-cnn", ckpt, precision=precision),
+        "digits:train",
+        settings=settings,
     )
     test = load_data("digits:test", preprocess=run.model.preprocess)
     return run, extract_features(run.model, test)
@@ -135,7 +138,7 @@ def test_the_feature_cache_is_keyed_by_the_precision(digits_ckpt, tmp_path):
         stream = FeatureStream(model, data, cache=cache)
         phi = torch.cat([b.phi for b in stream])
         passes.setdefault(precision, []).append((phi, stream.seconds))
-    (phi32, _), = passes["fp32"]
+    ((phi32, _),) = passes["fp32"]
     (phi16, computed), (phi16_cached, read) = passes["bf16"]
     assert computed > 0 and read == 0  # bf16 did not read the fp32 cache; then read its own
     assert not torch.equal(phi16, phi32)
