@@ -48,8 +48,11 @@ def test_bf16_fit_predictive_is_within_the_bound_derived_from_its_feature_error(
     # normwise, each of the 3 layers rounds its two operands to 8 bits (relative ≤ u each)
     eps = (f16.phi.double() - f32.phi.double()).norm(dim=1)  # ‖Δφ̃_i‖ (the bias entry is exact)
     rel = eps / f32.phi.double().norm(dim=1)
-    assert rel.max() > 0, "features identical: the precision was ignored"
     assert rel.max() <= ROUNDED_LAYERS * 2 * U_BF16
+    # φ is small-cnn's last ReLU(Linear) output: computed in bf16, every value lies on bf16's grid
+    # (a float32 pass, in any memory layout, leaves it there only by chance)
+    assert torch.equal(f16.phi, f16.phi.bfloat16().float()), "φ not from a bf16 pass: precision ignored"
+    assert not torch.equal(f32.phi, f32.phi.bfloat16().float())
     # the MAP logits are the float32 head applied to the float32 φ (what every predictive uses)
     head = run16.model.classifier.head
     with torch.no_grad():
@@ -142,6 +145,7 @@ def test_the_feature_cache_is_keyed_by_the_precision(digits_ckpt, tmp_path):
     (phi16, computed), (phi16_cached, read) = passes["bf16"]
     assert computed > 0 and read == 0  # bf16 did not read the fp32 cache; then read its own
     assert not torch.equal(phi16, phi32)
+    assert torch.equal(phi16, phi16.bfloat16().float())  # computed in bf16 (see the first test)
     assert torch.equal(phi16_cached, phi16)  # the very tensors written
 
 
