@@ -17,6 +17,7 @@ the module sees exactly what the loader yields (its own transforms, no extra nor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch import nn
 from bayescli.data import ArrayData, Data
 from bayescli.data.base import Source
 from bayescli.errors import BayescliError, require
+from bayescli.features import parse_precision
 from bayescli.fit_source import FitSource
 from bayescli.fitting import DataOptions, ModelOptions, check_labels, fit_posterior, require_likelihood
 from bayescli.models import LoadedModel, ModelSpec
@@ -201,6 +203,7 @@ def fit(
     checkpoint: str | Path | None = None,
     batch_size: int = 256,
     settings: Any = None,
+    precision: str = "fp32",
     **values: Any,
 ) -> Posterior:
     """Fit post-hoc ``method`` (see :func:`methods`) to ``model`` on ``data``.
@@ -210,8 +213,11 @@ def fit(
     posterior records that nothing was validated. ``settings`` is the method's settings instance
     (:func:`settings`), or pass its fields as keywords (``prior_precision=…``, ``hessian="diag"``).
     The returned posterior remembers the model, so ``post.predict(loader)`` needs nothing else.
+    ``precision`` (``fp32`` | ``bf16`` | ``fp16``, CUDA only) is the backbone's feature pass's,
+    recorded in the posterior (see :class:`~bayescli.options.Precision`).
     """
     loaded = as_model(model, head=head, checkpoint=checkpoint, preprocess=preprocess)
+    loaded = dataclasses.replace(loaded, precision=parse_precision(precision))  # the caller's model untouched
     require_likelihood(method, loaded)
     num_classes = loaded.classifier.num_classes
     fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=loaded.class_names)
@@ -288,16 +294,27 @@ def predict(
     seed: int = 0,
     batch_size: int = 256,
     device: torch.device | str | None = None,
+    precision: str | None = None,
 ) -> Any:
     """``post``'s predictive on ``data`` → :class:`~bayescli.predictive.glm.Prediction` (``probs
     [N, K]``, ``alpha`` where defined, ``logit_mean``/``logit_var [N, K]``). Defaults: the GLM
-    predictive with the probit link, or the Dirichlet mean for a native-Dirichlet posterior."""
-    from bayescli.features import extract_features
+    predictive with the probit link, or the Dirichlet mean for a native-Dirichlet posterior.
+    ``precision`` of the feature pass: default the one ``post`` was fitted at."""
+    from bayescli.features import (
+        check_precision,
+        extract_features,
+        require_last_layer_precision,
+        resolve_precision,
+    )
     from bayescli.options import Link, Predictive
     from bayescli.predictive.glm import predict as glm_predict
 
     loaded = model_of(post)
     dev = torch.device(device) if device is not None else _device_of(post)
+    chosen = check_precision(resolve_precision(precision, post.meta), dev)
+    if post.needs_inputs:
+        require_last_layer_precision(chosen, f"{post.method} with subset '{post.subset.value}'")
+    loaded = dataclasses.replace(loaded, precision=chosen)
     x = as_data(data, name="data", preprocess=loaded.preprocess, class_names=loaded.class_names)
     feats = extract_features(loaded, x, batch_size, dev, whole_network=post.needs_inputs)
     chosen = Link(link) if link is not None else post.default_link
@@ -330,6 +347,7 @@ def evaluate(
     fgsm: Any = None,
     fit_data: DataLike | None = None,
     val_data: DataLike | None = None,
+    precision: str | None = None,
     **options: Any,
 ) -> dict:
     """The report ``bayescli evaluate`` writes (same schema) for ``posteriors`` on labelled
@@ -338,7 +356,8 @@ def evaluate(
 
     The OOD detectors fit on ``fit_data`` and ``temp`` on ``val_data`` (default: the sets the first
     posterior was fitted and validated on — in memory for a posterior from :func:`fit`, else the
-    specs its file records)."""
+    specs its file records). ``precision`` of the feature passes: default the one the posteriors
+    were fitted at (recorded as ``report["precision"]``)."""
     from bayescli.evaluation import evaluate as run_evaluation
 
     if isinstance(posteriors, Posterior):
@@ -369,6 +388,7 @@ def evaluate(
         rotation=rotation,
         corruption=corruption,
         fgsm=fgsm,
+        precision=precision,
         **options,
     )
 
@@ -386,16 +406,19 @@ def select(
     device: torch.device | str = "cpu",
     batch_size: int = 256,
     out_dir: str | Path | None = None,
+    precision: str = "fp32",
 ) -> tuple[dict, dict[str, Posterior]]:
     """Which posterior should ``model`` use? Fit every method (default: ``select``'s list) on one
     backbone pass of ``data``, each tuned on the held-out ``val``, score them and MAP on ``val``
     (and AUROC against each ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` |
     ``brier`` | ``auroc``). Returns the leaderboard (``bayescli select``'s ``leaderboard.json``)
-    and the posteriors by method; ``out_dir`` also writes their files."""
+    and the posteriors by method; ``out_dir`` also writes their files. ``precision``: the feature
+    pass's, as in :func:`fit`."""
     from bayescli.model_selection import DEFAULT_METHODS, SelectOptions
     from bayescli.model_selection import select as run_select
 
     loaded = as_model(model, head=head, preprocess=preprocess)
+    loaded = dataclasses.replace(loaded, precision=parse_precision(precision))
     loaded.require_categorical("select")
     names = loaded.class_names
     fit_data = as_data(data, name="fit", preprocess=loaded.preprocess, class_names=names)

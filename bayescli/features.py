@@ -8,7 +8,14 @@ so, and never holds them all); :func:`extract_features` collects one pass into :
 for the commands that need every score at once (predict, evaluate); :func:`logit_pass` runs the whole
 network without the last-layer split, for whole-network fits. A cache is a directory of
 safetensors shards written while the batches stream and read back the same way, keyed by the
-checkpoint's SHA-256, the head and the data provenance, so a stale cache is never reused.
+checkpoint's SHA-256, the head, the data provenance and the precision, so a stale cache is never
+reused.
+
+Precision (``LoadedModel.precision``, :class:`~bayescli.options.Precision`): at ``bf16``/``fp16``
+the backbone's forward runs under ``torch.autocast`` (conv nets in channels_last for the pass),
+and ``φ`` is cast to float32 before the head, so the MAP logits are ``head(φ)`` in float32, the
+same map every last-layer predictive applies. The first batch's checks (head split, output kind)
+always run in float32: they compare to a float32 tolerance.
 """
 
 from __future__ import annotations
@@ -21,21 +28,104 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from bayescli.data import Data
 from bayescli.devices import synchronize
 from bayescli.errors import BayescliError, LowAccuracyWarning
 from bayescli.io import load_tensors, save_tensors
 from bayescli.metrics import low_accuracy_warning, map_correct
-from bayescli.models import LoadedModel
+from bayescli.models import Classifier, LoadedModel
+from bayescli.options import Precision
 from bayescli.progress import track
 
 CACHE_FORMAT = "bayescli-features/1"
 SHARD_BYTES = 64 * 2**20  # rows of φ and logits buffered before a shard is written
+AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def parse_precision(precision: Precision | str) -> Precision:
+    """``"bf16"`` → :attr:`Precision.BF16 <bayescli.options.Precision>`; an unknown name is a
+    :class:`~bayescli.errors.BayescliError` naming the choices."""
+    try:
+        return Precision(precision)
+    except ValueError:
+        names = ", ".join(p.value for p in Precision)
+        raise BayescliError(f"unknown precision '{precision}'; use one of {names}") from None
+
+
+def check_precision(precision: Precision | str, device: torch.device | str) -> Precision:
+    """``precision`` as a :class:`~bayescli.options.Precision`, refused where it cannot run.
+
+    ``fp16`` is refused on the CPU: CPU autocast accepts it, but without half-precision units it
+    is no faster there, and float16's range (max 65504) can overflow activations that bf16
+    (float32's exponent) keeps; on the CPU bf16 is the low-precision choice.
+    """
+    chosen = parse_precision(precision)
+    if chosen is Precision.FP16 and torch.device(device).type == "cpu":
+        raise BayescliError(
+            "precision fp16 runs on CUDA devices only; on the CPU use bf16 (float32's exponent range) or fp32"
+        )
+    return chosen
+
+
+def resolve_precision(requested: Precision | str | None, recorded: dict) -> Precision:
+    """The precision of a pass for a posterior whose metadata is ``recorded``: ``requested`` when
+    given, else the one it was fitted at (files written before precisions existed: fp32), the way
+    its preprocessing is reused."""
+    return parse_precision(requested if requested is not None else recorded.get("precision") or "fp32")
+
+
+def require_last_layer_precision(precision: Precision | str, what: str) -> None:
+    """Raise unless ``precision`` is fp32 for ``what``, a posterior over the whole network: such
+    posteriors run the network themselves (their fit's and predictive's forwards and curvature)
+    in float32, so a low-precision feature pass would only change the MAP logits beside them."""
+    if Precision(precision) is not Precision.FP32:
+        raise BayescliError(
+            f"{what} runs the whole network itself in float32; precision {Precision(precision).value} "
+            "applies to the feature pass of last-layer posteriors: use fp32 or subset 'last-layer'"
+        )
+
+
+def autocast(precision: Precision, device: torch.device) -> AbstractContextManager:
+    """The autocast context of one backbone forward (fp32: none). Entered per batch, never across a
+    ``yield``: autocast is thread-wide state and the consumer's maths must stay in float32."""
+    if precision is Precision.FP32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def _is_conv_net(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+@contextmanager
+def backbone_layout(module: nn.Module, precision: Precision) -> Iterator[bool]:
+    """channels_last weights for a conv net's low-precision pass (the layout tensor cores and
+    oneDNN's bf16 kernels want), restored afterwards; yields whether inputs should follow. fp32
+    passes and nets without 2-D convolutions are left untouched, so their numbers do not move."""
+    params = [p for p in module.parameters() if p.dim() == 4]
+    # a net its owner keeps in another layout is left alone: restoring would make it contiguous
+    convert = (
+        precision is not Precision.FP32 and _is_conv_net(module) and all(p.is_contiguous() for p in params)
+    )
+    if not convert:
+        yield False
+        return
+    module.to(memory_format=torch.channels_last)
+    try:
+        yield True
+    finally:
+        module.to(memory_format=torch.contiguous_format)
+
+
+def _to_layout(xb: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return xb.contiguous(memory_format=torch.channels_last) if channels_last and xb.dim() == 4 else xb
 
 
 @dataclass
@@ -80,8 +170,11 @@ def _check_first_batch(
 
 
 def cache_key(model: LoadedModel, data: Data) -> str:
-    """Hex digest identifying (checkpoint bytes, head, data provenance and size)."""
+    """Hex digest identifying (checkpoint bytes, head, data provenance and size, precision)."""
     ident = {"sha256": model.sha256, "head": model.classifier.head_name, "data": data.info, "n": len(data)}
+    precision = Precision(model.precision)
+    if precision is not Precision.FP32:  # fp32 keys as before: caches written until now stay valid
+        ident["precision"] = precision.value
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -174,6 +267,7 @@ class FeatureStream:
         self.model, self.data, self.batch_size = model, data, batch_size
         self.whole_network = whole_network
         self.device = torch.device(device)
+        self.precision = check_precision(model.precision, self.device)
         self.cache = Path(cache) if cache is not None else None
         self.key = cache_key(model, data)
         self._start()
@@ -241,49 +335,65 @@ class FeatureStream:
         writer = None
         if self.cache is not None:
             meta = {"format": CACHE_FORMAT, "key": self.key, "checkpoint_sha256": self.model.sha256}
+            meta["precision"] = self.precision.value
             writer = _ShardWriter(self.cache, {**meta, "data": self.data.info})
         clf = self.model.classifier.to(self.device).eval()
-        data, dev = self.data, self.device
+        data = self.data
         n_batches = (len(data) + self.batch_size - 1) // self.batch_size
         batches = track(data.batches(self.batch_size), n_batches, f"features {data.spec}")
         try:
-            start = time.perf_counter()
-            split = True
-            for i, (xb, yb) in enumerate(batches):
-                xb = xb.to(dev)
-                if i == 0:
-                    if self.whole_network:
-                        _check_first_batch(clf.check_output, self.model, data, xb)
-                        split = clf.last_layer_exact
-                    if split:
-                        _check_first_batch(clf.check_split, self.model, data, xb)
-                    elif writer is not None:  # no features to cache for a later last-layer fit
-                        writer.discard()
-                        writer = None
-                with torch.inference_mode():
-                    if split:
-                        phi = clf.features(xb)
-                        logits = clf.head(phi)
-                    else:  # logits not linear in the head: whole-network posteriors need no φ
-                        logits = clf(xb)
-                        phi = logits.new_zeros(len(xb), 0)
-                    batch = FeatureBatch(phi.float(), logits.float(), None if yb is None else yb.to(dev))
-                self._count(batch)
-                if writer is not None:
-                    writer.add(batch)
-                self.seconds += time.perf_counter() - start
-                yield batch
-                start = time.perf_counter()
-            synchronize(dev)
-            self.seconds += time.perf_counter() - start
-            self._check_finite()
-            if writer is not None:
-                skipped = {str(r): list(v) for r, v in data.unreadable.items()}
-                writer.commit({"unreadable_rows": skipped, "unreadable": data.info.get("unreadable")})
-                writer = None
+            with backbone_layout(clf, self.precision) as channels_last:
+                yield from self._batches(clf, batches, writer, channels_last)
+            writer = None
         finally:
             if writer is not None:
                 writer.discard()
+
+    def _batches(
+        self, clf: Classifier, batches: Iterator, writer: _ShardWriter | None, channels_last: bool
+    ) -> Iterator[FeatureBatch]:
+        """The pass itself (see :meth:`_compute`); commits ``writer`` after the last batch."""
+        data, dev, low = self.data, self.device, self.precision is not Precision.FP32
+        start = time.perf_counter()
+        split = True
+        for i, (xb, yb) in enumerate(batches):
+            xb = xb.to(dev)
+            if i == 0:
+                if self.whole_network:
+                    _check_first_batch(clf.check_output, self.model, data, xb)
+                    split = clf.last_layer_exact
+                if split:
+                    _check_first_batch(clf.check_split, self.model, data, xb)
+                elif writer is not None:  # no features to cache for a later last-layer fit
+                    writer.discard()
+                    writer = None
+            with torch.inference_mode():
+                if split and low:
+                    with autocast(self.precision, dev):
+                        phi = clf.features(_to_layout(xb, channels_last))
+                    phi = phi.float()  # the head and all that follows see float32 φ
+                    head = clf.head
+                    logits = head(phi.to(head.weight.dtype))
+                elif split:
+                    phi = clf.features(xb)
+                    logits = clf.head(phi)
+                else:  # logits not linear in the head: whole-network posteriors need no φ
+                    with autocast(self.precision, dev):
+                        logits = clf(_to_layout(xb, channels_last))
+                    phi = logits.new_zeros(len(xb), 0)
+                batch = FeatureBatch(phi.float(), logits.float(), None if yb is None else yb.to(dev))
+            self._count(batch)
+            if writer is not None:
+                writer.add(batch)
+            self.seconds += time.perf_counter() - start
+            yield batch
+            start = time.perf_counter()
+        synchronize(dev)
+        self.seconds += time.perf_counter() - start
+        self._check_finite()
+        if writer is not None:
+            skipped = {str(r): list(v) for r, v in data.unreadable.items()}
+            writer.commit({"unreadable_rows": skipped, "unreadable": data.info.get("unreadable")})
 
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """``(phi [B, D], labels [B] or None)`` per batch: what the streaming fit consumes."""
@@ -319,6 +429,26 @@ def logit_pass(
     check_input_shape(model, data)
     clf = model.classifier.to(device).eval()
     dev = torch.device(device)
+    precision = check_precision(model.precision, dev)
+    with backbone_layout(clf, precision) as channels_last:
+        stats, correct, finite = _logit_batches(model, data, batch_size, dev, precision, channels_last)
+    if not bool(finite):
+        raise BayescliError(f"{model.spec} produced non-finite logits on {data.spec}; check the checkpoint")
+    stats.correct = float(correct)
+    return stats
+
+
+def _logit_batches(
+    model: LoadedModel,
+    data: Data,
+    batch_size: int,
+    dev: torch.device,
+    precision: Precision,
+    channels_last: bool,
+) -> tuple[LogitPass, torch.Tensor, torch.Tensor]:
+    """:func:`logit_pass`'s loop: its stats, the MAP-correct count and the finiteness flag (both
+    still on the device)."""
+    clf = model.classifier
     correct = torch.zeros((), dtype=torch.float64, device=dev)
     finite = torch.ones((), dtype=torch.bool, device=dev)
     stats = LogitPass()
@@ -328,8 +458,10 @@ def logit_pass(
         xb = xb.to(dev)
         if i == 0:
             _check_first_batch(clf.check_output, model, data, xb)
-        with torch.inference_mode():
-            logits = clf(xb)
+        with torch.inference_mode(), autocast(precision, dev):
+            logits = clf(_to_layout(xb, channels_last))
+        if precision is not Precision.FP32:
+            logits = logits.float()
         stats.n += len(xb)
         finite &= torch.isfinite(logits).all()  # read once below, not per batch
         if yb is None:
@@ -338,10 +470,7 @@ def logit_pass(
             correct += map_correct(logits, yb).sum()
     synchronize(dev)
     stats.seconds = time.perf_counter() - start
-    if not bool(finite):
-        raise BayescliError(f"{model.spec} produced non-finite logits on {data.spec}; check the checkpoint")
-    stats.correct = float(correct)
-    return stats
+    return stats, correct, finite
 
 
 def extract_features(

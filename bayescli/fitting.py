@@ -23,9 +23,11 @@ import torch
 from bayescli import parallel
 from bayescli.data import Data, load_data, validation_spec
 from bayescli.errors import LowAccuracyWarning, require
+from bayescli.features import check_precision, parse_precision, require_last_layer_precision
 from bayescli.fit_source import FitSource
 from bayescli.metrics import low_accuracy_warning
 from bayescli.models import LoadedModel, load_classifier
+from bayescli.options import Precision, Subset
 from bayescli.posterior.base import Posterior
 from bayescli.preprocess import Preprocess
 from bayescli.registry import create_settings, fit_function, method_entry
@@ -73,9 +75,10 @@ class ModelOptions:
     output: str | None = None
     preprocess: Preprocess | None = None
     likelihood: str | None = None
+    precision: Precision | str = Precision.FP32  # of the backbone's feature passes
 
     def load(self) -> LoadedModel:
-        return load_classifier(
+        loaded = load_classifier(
             self.spec,
             self.checkpoint,
             self.head,
@@ -85,6 +88,8 @@ class ModelOptions:
             output=self.output,
             likelihood=self.likelihood,
         )
+        loaded.precision = parse_precision(self.precision)
+        return loaded
 
 
 def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
@@ -105,6 +110,7 @@ def record_provenance(post: Posterior, loaded: LoadedModel, fit_data: Data, val:
     """What a posterior file must say about its model and data (``load_model`` reads it back)."""
     post.meta |= {
         **loaded.describe(),
+        "precision": parse_precision(loaded.precision).value,
         "class_names": loaded.class_names,
         "data": fit_data.info,
         "validation_data": None if val is None else val.info,
@@ -181,10 +187,15 @@ def fit_posterior(
     and record its provenance. Data specs named in the settings are loaded with ``data_options``.
 
     Issues :class:`~bayescli.errors.LowAccuracyWarning` when the MAP accuracy on the fitting data
-    says the model is fed wrongly (the accuracy is also recorded as ``map_accuracy``).
+    says the model is fed wrongly (the accuracy is also recorded as ``map_accuracy``, from the
+    feature pass at ``source.model.precision``). A precision other than fp32 is refused for
+    posteriors over the whole network (see :func:`~bayescli.features.require_last_layer_precision`).
     """
     require_likelihood(method, source.model)
     settings = create_settings(method, settings, **values)
+    precision = check_precision(source.model.precision, source.device)
+    if Subset(getattr(settings, "subset", Subset.LAST_LAYER)) is not Subset.LAST_LAYER:
+        require_last_layer_precision(precision, f"{method} with subset 'all'")
     settings = load_setting_data(settings, data_options or DataOptions(), source.model.preprocess)
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -229,6 +240,7 @@ class FitRun:
         """Scalar facts for a summary table."""
         sel = self.posterior.meta.get("selection") or {}
         out = {
+            "precision": self.posterior.meta.get("precision"),
             "map_accuracy": self.posterior.meta.get("map_accuracy"),
             "validation": self.val.spec if self.val is not None else None,
         }

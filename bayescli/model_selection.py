@@ -148,6 +148,7 @@ def select(
         "criterion": opts.criterion,
         "used_ood_for_choice": opts.criterion == "auroc",
         "model": source.model.describe(),
+        "precision": source.model.precision.value,  # of the one backbone pass the methods share
         "data": source.data.info,
         "validation": source.val.info,
         "ood": {name: data.info for name, data in ood.items()},

@@ -29,6 +29,7 @@ from bayescli.classifier import SPLIT_TOLERANCE, Classifier, find_head, last_lin
 from bayescli.errors import BayescliError, require
 from bayescli.io import sha256_file
 from bayescli.model_args import factory_arguments, parse_model_args
+from bayescli.options import Precision
 from bayescli.preprocess import Preprocess, PreprocessOverrides
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +259,8 @@ class LoadedModel:
     metadata: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # checkpoint_key / stripped_prefixes, if any
     preprocess: Preprocess = field(default_factory=Preprocess)
+    # the arithmetic of its backbone passes (bayescli.features); a fit records it, a prediction reuses it
+    precision: Precision = Precision.FP32
 
     @property
     def likelihood(self) -> str:

@@ -96,6 +96,21 @@ class CurvatureType(str, Enum):
     EF = "ef"
 
 
+class Precision(str, Enum):
+    """The arithmetic of the backbone's feature pass.
+
+    * ``fp32``: float32 throughout (the default; what every fit did before precisions existed).
+    * ``bf16`` / ``fp16``: the backbone runs under ``torch.autocast`` in bfloat16 / float16, conv
+      nets in channels_last; ``φ`` and the logits are cast to float32 before any head maths, the
+      curvature sums stay float64 and the posterior maths is unchanged. ``fp16`` needs a CUDA
+      device. Whole-network posteriors run the network themselves and take ``fp32`` only.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
 class Backend(str, Enum):
     AUTO = "auto"
     CLOSED_FORM = "closed-form"

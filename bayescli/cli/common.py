@@ -14,7 +14,7 @@ from rich.table import Table
 
 from bayescli import progress
 from bayescli.errors import AllRanksError, BayescliError
-from bayescli.options import Interpolation, PreprocessPreset
+from bayescli.options import Interpolation, Precision, PreprocessPreset
 
 if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must not load torch
     import torch
@@ -31,6 +31,16 @@ state = {"debug": False}
 
 Device = Annotated[
     str, typer.Option(help="auto (CUDA when available), cpu, cuda or cuda:N.", rich_help_panel="Runtime")
+]
+PrecisionOpt = Annotated[
+    Precision | None,
+    typer.Option(
+        "--precision",
+        help="Arithmetic of the backbone's feature pass: fp32, bf16 or fp16 (CUDA only); bf16/fp16 run "
+        "it under autocast (conv nets channels_last), the head and posterior maths stay float32/64. "
+        "Default: fp32 for a fit, the precision the posterior was fitted at for a prediction.",
+        rich_help_panel="Runtime",
+    ),
 ]
 Seed = Annotated[
     int, typer.Option(help="Random seed (subsets, sampling, training).", rich_help_panel="Runtime")
@@ -285,12 +295,22 @@ def model_options(
     output: str | None = None,
     preprocess: Preprocess | None = None,
     likelihood: str | None = None,
+    precision: Precision | None = None,
 ) -> ModelOptions:
-    """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object."""
+    """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object
+    (``precision`` ``None``: fp32, a fit's default)."""
     from bayescli.fitting import ModelOptions
 
     return ModelOptions(
-        model, checkpoint, head, checkpoint_key, list(model_args or []), output, preprocess, likelihood
+        model,
+        checkpoint,
+        head,
+        checkpoint_key,
+        list(model_args or []),
+        output,
+        preprocess,
+        likelihood,
+        precision or Precision.FP32,
     )
 
 
@@ -316,6 +336,7 @@ def option_groups(params: dict[str, Any]) -> tuple[ModelOptions, DataOptions]:
         output=params["output"],
         preprocess=pre,
         likelihood=params.get("likelihood"),
+        precision=params.get("precision"),
     )
     data = data_options(
         data_root=params["data_root"],
@@ -400,19 +421,30 @@ def prepare_prediction(
     trust_model_code: bool = False,
     softmax_only: str | None = None,
     preprocess: Any = None,
+    precision: Precision | None = None,
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
     posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
     the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`).
-    ``softmax_only`` names a command that refuses multi-label (bernoulli) models. Labelled data
-    with a low MAP accuracy prints a warning. ``preprocess`` (:func:`preprocess_overrides`) changes
-    the recorded input recipe."""
-    from bayescli.features import extract_features
+    ``softmax_only`` names a command that refuses multi-label (bernoulli) models. ``precision``
+    of the feature pass (``None``: the one the posterior was fitted at). Labelled data with a low
+    MAP accuracy prints a warning. ``preprocess`` (:func:`preprocess_overrides`) changes the
+    recorded input recipe."""
+    from bayescli.features import (
+        check_precision,
+        extract_features,
+        require_last_layer_precision,
+        resolve_precision,
+    )
     from bayescli.posterior.base import load_posterior
 
     dev = resolve_device(device)
     post = load_posterior(posterior, dev)
+    chosen = check_precision(resolve_precision(precision, post.meta), dev)
+    if post.needs_inputs:
+        require_last_layer_precision(chosen, f"{post.method} with subset '{post.subset.value}'")
     model = post.load_model(checkpoint, model=model, trust_model_code=trust_model_code, preprocess=preprocess)
+    model.precision = chosen
     if softmax_only is not None:
         model.require_categorical(softmax_only, SOFTMAX_ONLY_REASONS.get(softmax_only))
     test = load(data, root, download, limit, seed, model.preprocess, num_workers, skip_unreadable)

@@ -17,14 +17,16 @@ if TYPE_CHECKING:  # annotations only: the CLI builds its help without loading t
     from bayescli.posterior.base import Posterior
 
 
-def _report(post: Posterior, test: Data, result: dict) -> dict:
-    """The conformal report: its header, then the suite's ``result`` (single- or multi-label)."""
+def _report(post: Posterior, test: Data, result: dict, precision: str) -> dict:
+    """The conformal report: its header (``precision`` of the feature passes), then the suite's
+    ``result`` (single- or multi-label)."""
     return {
         "schema_version": 1,
         "kind": "conformal",
         "bayescli_version": __version__,
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
+        "precision": precision,
         **result,
     }
 
@@ -72,6 +74,7 @@ def conformal_cmd(
     download: c.Download = False,
     limit: c.Limit = None,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -106,7 +109,7 @@ def conformal_cmd(
     overrides = c.preprocess_overrides(preprocess, mean, std, resize, crop, interpolation)
     post, model, test, feats = c.prepare_prediction(
         posterior, checkpoint, data, data_root, download, limit, seed, batch_size, device,
-        model=model_spec, trust_model_code=trust_model_code, preprocess=overrides,
+        model=model_spec, trust_model_code=trust_model_code, preprocess=overrides, precision=precision,
     )  # fmt: skip
     multilabel = post.likelihood == "bernoulli"
     if multilabel and score_kind is not ConformalScore.LAC:
@@ -133,7 +136,7 @@ def conformal_cmd(
     result, sets = standalone_conformal(
         post, model, method, test, feats, cal, cal_feats, ccfg, val_data or cal_spec, cfg
     )
-    report = {**_report(post, test, result), **c.preprocess_record(model, overrides)}
+    report = {**_report(post, test, result, model.precision.value), **c.preprocess_record(model, overrides)}
     if out is not None:
         names = model.class_names
         labels = feats.labels.tolist() if feats.labels is not None else None
@@ -195,7 +198,7 @@ def _multilabel(
     result, sets = standalone_conformal(
         post, model.classifier, names, method, test, feats, cal, cal_feats, alpha, samples, seed
     )
-    report = _report(post, test, result)
+    report = _report(post, test, result, model.precision.value)
     if out is not None:
         labels = feats.labels.tolist() if feats.labels is not None else None
         members = sets.cpu().tolist()  # [N][K][2] booleans

@@ -112,6 +112,7 @@ def evaluate_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -161,6 +162,7 @@ def evaluate_cmd(
         "num_workers": num_workers,
         "skip_unreadable": skip_unreadable,
         "batch_size": batch_size,
+        "precision": precision,
         "seed": seed,
     }
     cfg = evaluation_config(**options, device=c.resolve_device(device, sharded=True))

@@ -151,6 +151,7 @@ def fit_vi_cmd(
     download: c.Download = False,
     limit: c.Limit = None,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,

@@ -51,6 +51,7 @@ def inspect_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -79,6 +80,7 @@ def inspect_cmd(
         model_args=model_args or [],
         output=output,
     )
+    loaded.precision = precision or loaded.precision
     seen: dict[str, Any] = {}
     if data is not None:
         opts = c.data_options(
@@ -94,7 +96,7 @@ def inspect_cmd(
         stream = FeatureStream(loaded, test, batch_size, dev, whole_network=True)
         for _ in stream:  # the first batch checks the head split and the output kind
             pass
-        seen = {"data": data, "inputs": stream.n}
+        seen = {"data": data, "inputs": stream.n, "precision": stream.precision.value}
         if not loaded.classifier.last_layer_exact:
             c.warn("the logits are not linear in the head's weights: only --subset all methods apply")
         if stream.accuracy is not None:

@@ -68,6 +68,7 @@ def predict_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -118,6 +119,7 @@ def predict_cmd(
         model=model_spec,
         trust_model_code=trust_model_code,
         preprocess=overrides,
+        precision=precision,
     )
     native = post.native_dirichlet
     if link is None:
@@ -197,6 +199,7 @@ def predict_cmd(
         "data": test.info,
         **c.preprocess_record(model, overrides),
         "likelihood": post.likelihood,
+        "precision": model.precision.value,
         "predictive": predictive.value,
         "link": link.value,
         "samples": samples if link is Link.MC or predictive is Predictive.BNN else None,

@@ -62,6 +62,7 @@ def select_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,

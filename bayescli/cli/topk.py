@@ -36,6 +36,7 @@ def topk_cmd(
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
+    precision: c.PrecisionOpt = None,
     device: c.Device = "auto",
     seed: c.Seed = 0,
     quiet: c.Quiet = False,
@@ -68,6 +69,7 @@ def topk_cmd(
         trust_model_code=trust_model_code,
         preprocess=overrides,
         softmax_only="topk",
+        precision=precision,
     )
     pred = predict(
         post,
@@ -89,6 +91,7 @@ def topk_cmd(
         "posterior_summary": c.posterior_summary(post),
         "data": test.info,
         **c.preprocess_record(model, overrides),
+        "precision": model.precision.value,
         "threshold": threshold,
         "max_k": max_k,
         "bridge_correction": correction.value,

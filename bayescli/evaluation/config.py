@@ -11,7 +11,7 @@ import torch
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.evaluation.methods import Method
-from bayescli.options import DEFAULT_OOD_SCORES
+from bayescli.options import DEFAULT_OOD_SCORES, Precision
 
 # OOD score name (as given in the options) → report key
 SCORES = {
@@ -92,6 +92,7 @@ class EvalConfig:
     data_root: Path = Path("data")
     download: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    precision: Precision | None = None  # of the feature passes; None: the one the posteriors record
     num_workers: int = 0
     skip_unreadable: bool = False
     baselines: BaselineConfig = field(default_factory=BaselineConfig)

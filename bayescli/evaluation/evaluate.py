@@ -7,6 +7,7 @@ is printed (progress bars aside); warnings go into ``report["warnings"]``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,8 +27,14 @@ from bayescli.evaluation.gates import Gate, check_gates, check_paths, expected_r
 from bayescli.evaluation.methods import expand_methods, parse_methods
 from bayescli.evaluation.multilabel import for_likelihood, likelihood_of
 from bayescli.evaluation.runner import ood_name, preprocess_key, run_grouped
+from bayescli.features import (
+    check_precision,
+    parse_precision,
+    require_last_layer_precision,
+    resolve_precision,
+)
 from bayescli.models import LoadedModel
-from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode, Predictive
+from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode, Precision, Predictive
 from bayescli.posterior.base import Posterior
 
 T = TypeVar("T")
@@ -58,6 +65,7 @@ def evaluation_config(
     skip_unreadable: bool = False,
     batch_size: int = 256,
     device: str | torch.device = "auto",
+    precision: Precision | str | None = None,
     seed: int = 0,
 ) -> EvalConfig:
     """The suites and baselines that :func:`evaluate` runs for these options (see there).
@@ -91,6 +99,7 @@ def evaluation_config(
         data_root=data_root,
         download=download,
         device=_device(device),
+        precision=None if precision is None else parse_precision(precision),
         num_workers=num_workers,
         skip_unreadable=skip_unreadable,
         baselines=BaselineConfig(
@@ -197,6 +206,7 @@ def evaluate(
     skip_unreadable: bool = False,
     batch_size: int = 256,
     device: str | torch.device = "auto",
+    precision: Precision | str | None = None,
     seed: int = 0,
 ) -> dict:
     """Compare MAP, temperature scaling and the posteriors' predictives on labelled test ``data``;
@@ -220,7 +230,9 @@ def evaluate(
     holds has ``failed: true``). ``methods`` and ``ood_scores`` default to those of the
     posteriors' likelihood; multi-label (bernoulli) posteriors get the multi-label report
     (:mod:`bayescli.evaluation.multilabel`); posteriors of both kinds in one call are refused. The
-    other options are those of ``bayescli evaluate``.
+    other options are those of ``bayescli evaluate``. ``precision`` of the backbone's feature
+    passes (``None``: the one the posteriors were fitted at, which must then agree) is recorded as
+    ``report["precision"]``.
     """
     cfg = evaluation_config(
         methods=methods,
@@ -246,6 +258,7 @@ def evaluate(
         skip_unreadable=skip_unreadable,
         batch_size=batch_size,
         device=device,
+        precision=precision,
         seed=seed,
     )
     posts = dict(posteriors) if isinstance(posteriors, Mapping) else posterior_tags(list(posteriors))
@@ -253,6 +266,7 @@ def evaluate(
         raise BayescliError("evaluation needs at least one posterior (`posteriors`)")
     cfg = for_likelihood(cfg, likelihood_of(posts))
     gates = check_gate_paths(fail_if, cfg, list(posts))
+    chosen = _precision(cfg, posts)
     # one model and test set per preprocessing recipe: each posterior sees its own inputs
     recipes: dict[str, dict[str, Posterior]] = {}
     for tag, post in posts.items():
@@ -264,6 +278,7 @@ def evaluate(
         loaded = _for_tag(model, first, "model", several)
         if loaded is None:
             loaded = members[first].load_model()
+        loaded = dataclasses.replace(loaded, precision=chosen)  # the caller's model is left as given
         test = _for_tag(data, first, "data", several)
         if test is None:
             raise BayescliError(f"no test data for posterior {first}; give it in `data`")
@@ -278,6 +293,7 @@ def evaluate(
         given = {tag: _for_tag(ggp_data, tag, "ggp_data", False) for tag in posts}
         cfg.ggp_data = {tag: points for tag, points in given.items() if points is not None}
     report = run_grouped(groups, cfg)
+    report["precision"] = chosen.value
     paths = [getattr(post, "path", None) for post in posts.values()]
     if all(paths):
         report["posterior_file"] = str(paths[0])
@@ -286,6 +302,22 @@ def evaluate(
     if outcomes:
         report["gates"] = outcomes
     return report
+
+
+def _precision(cfg: EvalConfig, posts: Mapping[str, Posterior]) -> Precision:
+    """The precision of the evaluation's feature passes: ``cfg.precision``, else the one the
+    posteriors were fitted at (one pass serves them all, so they must agree)."""
+    chosen = {resolve_precision(cfg.precision, post.meta) for post in posts.values()}
+    if len(chosen) > 1:
+        names = " and ".join(sorted(p.value for p in chosen))
+        raise BayescliError(
+            f"the posteriors were fitted at precisions {names}; give one `precision` for the feature pass"
+        )
+    precision = check_precision(chosen.pop(), cfg.device)
+    for tag, post in posts.items():
+        if post.needs_inputs:
+            require_last_layer_precision(precision, f"posterior {tag} ({post.method}, subset all)")
+    return precision
 
 
 def _for_tag(value: T | Mapping[str, T] | None, tag: str, name: str, several: bool) -> T | None:
