@@ -8,7 +8,11 @@ DEMO_DIR ?= demo-output
 PREFIX ?=
 prefix = $(patsubst ~/%,$(HOME)/%,$(PREFIX))
 
-.PHONY: demo test lint bench env install clean
+# The emulated-GPU slice `make test` also runs (BAYESCLI_EMULATE_GPU=1: the session runs as on a
+# GPU machine, so `--device auto` picks the emulated CUDA); `make test-gpu` runs the whole suite so.
+GPU_SLICE ?= tests/test_emulated_cuda.py tests/test_device_resident.py
+
+.PHONY: demo test test-gpu gpu-check lint bench env install clean
 
 env:
 	@bash scripts/env.sh
@@ -17,7 +21,14 @@ demo:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/bayescli" demo --out-dir $(DEMO_DIR)
 
 test:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests \
+	  && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q $(GPU_SLICE)
+
+test-gpu:
+	@V="$(ENV)" && test -n "$$V" && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q tests
+
+gpu-check:
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" scripts/gpu_check.py
 
 lint:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples
