@@ -866,4 +866,6 @@ def emulated_cuda(*, patch_generator: bool = True) -> Iterator[TransferStats]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
-        _STATS.remove(stats)
+        # By identity: list.remove compares with ==, and a nested block's stats can equal an
+        # enclosing block's (both empty after a reset), which would end the wrong block's log.
+        del _STATS[max(i for i, s in enumerate(_STATS) if s is stats)]

@@ -662,6 +662,15 @@ def test_without_a_gpu_the_stubs_leave_cuda_absent():
         torch.Generator(device="cuda")  # CPU-only: the real generator needs the CUDA runtime
 
 
+def test_nested_blocks_keep_their_own_stats_even_when_equal():
+    with emulated_cuda() as outer:
+        with emulated_cuda() as inner:
+            assert outer == inner and current_stats() is inner  # equal (empty), not the same
+        assert current_stats() is outer
+        torch.ones(1, device="cuda").item()
+    assert outer.syncs == 1 and inner.syncs == 0
+
+
 def test_emulated_helper_wraps_without_counting():
     x = torch.arange(3.0)
     with emulated_cuda() as stats:
