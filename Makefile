@@ -8,7 +8,14 @@ DEMO_DIR ?= demo-output
 PREFIX ?=
 prefix = $(patsubst ~/%,$(HOME)/%,$(PREFIX))
 
-.PHONY: demo test lint bench env install clean
+# The emulated-GPU slice `make test` also runs (BAYESCLI_EMULATE_GPU=1: the session runs as on a
+# GPU machine, so `--device auto` picks the emulated CUDA): the emulation's own tests and every
+# registered method's default fit through the CLI on the (emulated) GPU. Every op of an emulated
+# session goes through Python dispatch, so fits run several times slower: `make test-gpu` runs the
+# whole suite so, outside CI's budget.
+GPU_SLICE ?= tests/test_emulated_cuda.py tests/test_defaults.py
+
+.PHONY: demo test test-gpu gpu-check lint bench env install clean
 
 env:
 	@bash scripts/env.sh
@@ -17,7 +24,14 @@ demo:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/bayescli" demo --out-dir $(DEMO_DIR)
 
 test:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests \
+	  && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q $(GPU_SLICE)
+
+test-gpu:
+	@V="$(ENV)" && test -n "$$V" && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q tests
+
+gpu-check:
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" scripts/gpu_check.py
 
 lint:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples

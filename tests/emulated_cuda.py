@@ -91,6 +91,8 @@ __all__ = [
     "emulated",
     "emulated_cuda",
     "is_emulated",
+    "machine_without_gpu",
+    "real_cuda_available",
 ]
 
 aten = torch.ops.aten
@@ -731,6 +733,19 @@ class _EmulationDispatchMode(TorchDispatchMode):
 # --------------------------------------------------------------------------------------------
 
 _RealGenerator = torch.Generator
+# Captured before any emulation stubs it (this module is imported before any block is entered).
+_real_is_available = torch.cuda.is_available
+
+
+def real_cuda_available() -> bool:
+    """Whether this machine has a real CUDA device, emulation or not."""
+    return bool(_real_is_available())
+
+
+def machine_without_gpu() -> bool:
+    """No real GPU and no emulation active: what tests of the emulation's own CPU-only
+    assumptions need (they skip elsewhere)."""
+    return not real_cuda_available() and not _STATS
 
 
 def cpu_generator(device: torch.device | str, seed: int) -> torch.Generator:
@@ -852,4 +867,6 @@ def emulated_cuda(*, patch_generator: bool = True) -> Iterator[TransferStats]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
-        _STATS.remove(stats)
+        # By identity: list.remove compares with ==, and a nested block's stats can equal an
+        # enclosing block's (both empty after a reset), which would end the wrong block's log.
+        del _STATS[max(i for i, s in enumerate(_STATS) if s is stats)]

@@ -180,13 +180,13 @@ def test_select_on_a_module_and_loaders(digits_parts):
 def test_evaluate_returns_the_report_the_cli_writes(digits_posterior, cli, tmp_path):
     import json
 
-    args = ["--methods", "map,glm-probit", "--ood-scores", "msp"]
+    # both on the CPU: the reports are compared to the last bit
+    args = ["--methods", "map,glm-probit", "--ood-scores", "msp", "--device", "cpu"]
     res = cli(
         "evaluate", "--posterior", digits_posterior, "--data", "digits:test", *args, "--json", "--quiet"
     )
     assert res.code == 0, res.err
     from_cli = json.loads(res.out)["results"]
-    report = bayescli.evaluate(
-        bayescli.load(digits_posterior), "digits:test", methods="map,glm-probit", ood_scores="msp"
-    )
+    post = bayescli.load(digits_posterior)
+    report = bayescli.evaluate(post, "digits:test", methods="map,glm-probit", ood_scores="msp", device="cpu")
     assert report["results"]["in_distribution"] == from_cli["in_distribution"]

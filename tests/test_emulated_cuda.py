@@ -22,6 +22,7 @@ from emulated_cuda import (
     emulated,
     emulated_cuda,
     is_emulated,
+    machine_without_gpu,
 )
 
 from bayescli import devices
@@ -250,6 +251,7 @@ def test_printing_shows_the_device_and_counts_a_copy():
 
 
 def test_events_name_the_bayescli_frame_and_reset_clears():
+    outer = current_stats()  # None, or an emulated-GPU session's (make test-gpu)
     with emulated_cuda() as stats:
         g = torch.ones(2, device="cuda")
         devices.synchronize(g.device)
@@ -263,7 +265,7 @@ def test_events_name_the_bayescli_frame_and_reset_clears():
         assert "sync aten._local_scalar_dense" in stats.report()
         stats.reset()
         assert stats == TransferStats()
-    assert current_stats() is None
+    assert current_stats() is outer
 
 
 def test_list_indexing_uploads_the_index():
@@ -413,6 +415,7 @@ def test_draws_with_a_cpu_generator_equal_the_cpu_draws():
 
 def test_generator_on_cuda_and_devices_generator_give_cpu_streams(monkeypatch):
     expected = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    before = torch.Generator  # torch._C.Generator, or an enclosing emulation's factory
     with emulated_cuda():
         g = torch.Generator(device="cuda").manual_seed(3)
         assert isinstance(g, torch.Generator) and g.device.type == "cpu"
@@ -420,9 +423,7 @@ def test_generator_on_cuda_and_devices_generator_give_cpu_streams(monkeypatch):
         same(torch.randn(4, device="cuda", generator=devices.generator("cuda", 3)), expected)
         monkeypatch.setattr(devices, "generator", cpu_generator)
         same(torch.randn(4, device="cuda", generator=devices.generator(CUDA0, 3)), expected)
-    assert torch.Generator is torch._C.Generator
-    with emulated_cuda(patch_generator=False), pytest.raises(RuntimeError):
-        torch.Generator(device="cuda")
+    assert torch.Generator is before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,8 +649,26 @@ def test_torch_cuda_is_stubbed_inside_and_restored_after():
         with pytest.raises(RuntimeError, match="invalid device ordinal"):
             torch.zeros(1, device="cuda:1")
     assert torch.cuda.is_available() == before
-    assert not torch.cuda.is_available()  # this suite runs on CPU-only machines
     assert (torch.cuda.is_available, torch.cuda.synchronize, torch.Generator) == originals
+
+
+def test_without_a_gpu_the_stubs_leave_cuda_absent():
+    if not machine_without_gpu():
+        pytest.skip("asserts a CPU-only machine: a real GPU or an emulated-GPU run makes CUDA available")
+    with emulated_cuda():
+        assert torch.cuda.is_available()
+    assert not torch.cuda.is_available()
+    with emulated_cuda(patch_generator=False), pytest.raises(RuntimeError):
+        torch.Generator(device="cuda")  # CPU-only: the real generator needs the CUDA runtime
+
+
+def test_nested_blocks_keep_their_own_stats_even_when_equal():
+    with emulated_cuda() as outer:
+        with emulated_cuda() as inner:
+            assert outer == inner and current_stats() is inner  # equal (empty), not the same
+        assert current_stats() is outer
+        torch.ones(1, device="cuda").item()
+    assert outer.syncs == 1 and inner.syncs == 0
 
 
 def test_emulated_helper_wraps_without_counting():

@@ -37,6 +37,7 @@ def test_library_report_equals_cli_report(cli, digits_posterior, tmp_path, capsy
         "--ood", "patches", "--ood-limit", "40", "--ood-scores", "msp,energy,mahalanobis,knn,mi",
         "--rotation", "0:90:90", "--fgsm", "0,8/255", "--conformal", "0.2", "--fidelity-inputs", "16",
         "--fail-if", "in_distribution.map.accuracy < 0.5", "--seed", "3", "--out", out, "--json",
+        "--device", "cpu",  # the library call below runs on the CPU; compared to the last bit
     ]  # fmt: skip
     res = cli(*args)
     assert res.code == 0, res.err

@@ -57,14 +57,16 @@ def setup(tmp_path_factory):
             return int(exc.code or 0)
         return 0
 
+    # --device cpu: every number below is compared with an in-process CPU recomputation at TOL
     fit = ("--model", "builtin:mlp", "--checkpoint", ckpt, "--data", "composed-digits:train")
+    fit = (*fit, "--device", "cpu")
     assert run("fit-laplace", *fit, "--val-data", "composed-digits:val", "--out", post, "--quiet") == 0
     report = tmp / "report.json"
     code = run(
         "evaluate", "--posterior", post, "--data", "composed-digits:test", "--methods", METHODS,
         "--samples", SAMPLES, "--ood", "noise:uniform", "--rotation", "0:90:45", "--fgsm", f"0,{EPS}",
         "--corruption", "gaussian_noise", "--severity", "2",
-        "--conformal", ALPHA, "--out", report, "--quiet",
+        "--conformal", ALPHA, "--out", report, "--quiet", "--device", "cpu",
         "--fail-if", "in_distribution.glm-probit.map < 0.5",  # passes (mAP ≈ 0.93)
         "--fail-if", "ood.noise:uniform.glm-probit.joint_energy.auroc > 0.5",  # fails (≈ 0.56)
         "--fail-if", "in_distribution.glm-beta.per_label.nll.3 > 10",  # passes
@@ -397,7 +399,7 @@ def test_refusals_are_one_line(cli, setup, tmp_path):
 def test_conformal_command_writes_per_label_sets(cli, setup, predictions, tmp_path):
     out = tmp_path / "sets.json"
     res = cli("conformal", "--posterior", setup["post"], "--data", "composed-digits:test", "--method",
-              "glm-probit", "--alpha", ALPHA, "--out", out, "--quiet")  # fmt: skip
+              "glm-probit", "--alpha", ALPHA, "--out", out, "--quiet", "--device", "cpu")  # fmt: skip
     assert res.code == 0, res.err
     report = json.loads(out.read_text())
     post, model = predictions["post"], predictions["model"]

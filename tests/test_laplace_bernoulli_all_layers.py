@@ -204,13 +204,61 @@ def test_predict_maps_each_label_through_a_sigmoid_link(problem):
     data = ArrayData(x, y, [str(k) for k in range(K)])
     with torch.no_grad():
         feats = Features(torch.zeros(N, 1), net(x), y)
-    lg = post.logit_gaussian_inputs(clf, x)
+    lg = post.logit_gaussian_inputs(clf, x)  # one batch of 30; predict below runs batches of 8
+    d_mean, d_var = reordering_bounds(net, x, lg.var)
     pred = predict(post, feats, classifier=clf, data=data, batch_size=8)
-    assert torch.equal(pred.probs, probit(lg.mean, lg.var))  # a sigmoid per label, not a softmax
+    expected = probit(lg.mean, lg.var)  # a sigmoid per label, not a softmax
+    tol = propagated(probit, lg.mean, lg.var, d_mean, d_var)
+    assert_below(((pred.probs - expected).abs() / tol).max(), 1.0, what="batched probit, in bounds")
     beta = predict(post, feats, link="beta", classifier=clf, data=data, batch_size=8)
-    assert torch.equal(
-        beta.per_label.mutual_information, apply_sigmoid_link(lg.mean, lg.var, "beta").mutual_information
-    )
+
+    def beta_mi(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return apply_sigmoid_link(m, v, "beta").mutual_information
+
+    tol = propagated(beta_mi, lg.mean, lg.var, d_mean, d_var)
+    mi = beta.per_label.mutual_information
+    assert_below(((mi - beta_mi(lg.mean, lg.var)).abs() / tol).max(), 1.0, what="batched beta MI, in bounds")
+
+
+# Unit roundoff of float32 and Higham's γ_n = n·u / (1 − n·u): a float32 sum of n products
+# computed in any order lies within γ_n·Σ|aᵢbᵢ| of the exact sum (Accuracy and Stability of
+# Numerical Algorithms, §3.1), so two orders (a GEMM blocked for 8 rows vs 30, another thread
+# count, another BLAS) differ by at most 2·γ_n·Σ|aᵢbᵢ|.
+U32 = 2.0**-24
+P_TINY = 119  # the longest float32 reduction here: the logit variance's sum over every parameter
+
+
+def gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def reordering_bounds(net, x: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far another summation order may move the float32 logit means and variances ``[N, K]``.
+
+    Means: ``f = W·tanh(conv(x)) + b``; each of its sums has at most ``P_TINY`` terms, and the
+    conv's rounding reaches ``f`` through tanh (1-Lipschitz) and ``|W|``, so ``Δf ≤ 2γ·S`` with
+    ``S = |W|·(|h| + |Wc|∗|x| + |bc|) + |b|`` in float64. Variances: ``σ² = Σ_p J²_kp·s_p`` is a
+    sum of non-negative terms (its absolute sum is σ² itself), each with a squared Jacobian entry
+    that is itself a float32 sum, hence ``Δσ² ≤ 4γ·σ²``."""
+    conv, _, _, lin = net
+    xd = x.double()
+    with torch.no_grad():
+        h = torch.tanh(torch.nn.functional.conv2d(xd, conv.weight.double(), conv.bias.double()))
+        conv_abs = torch.nn.functional.conv2d(xd.abs(), conv.weight.double().abs(), conv.bias.double().abs())
+        reach = h.abs().flatten(1) + conv_abs.flatten(1)
+        scale = reach @ lin.weight.double().abs().T + lin.bias.double().abs()
+    g = gamma(P_TINY)
+    return 2 * g * scale, 4 * g * var.double()
+
+
+def propagated(fn, mean, var, d_mean, d_var) -> torch.Tensor:
+    """First-order bound ``[N, K]`` ``|∂fn/∂μ|·Δμ + |∂fn/∂σ²|·Δσ² + 8u`` on an elementwise link
+    ``fn(μ, σ²)``, derivatives by autograd in float64; ``8u`` covers the link's own float32
+    evaluation (a few roundings of numbers ≤ 1)."""
+    m = mean.detach().double().requires_grad_()
+    v = var.detach().double().requires_grad_()
+    dm, dv = torch.autograd.grad(fn(m, v).sum(), (m, v))
+    return (dm.abs() * d_mean + dv.abs() * d_var + 8 * U32).detach()
 
 
 def dense_log_marglik(net, x, y, hessian: torch.Tensor, delta: float) -> float:

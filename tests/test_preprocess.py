@@ -92,7 +92,7 @@ def test_recipe_is_recorded_and_reused_by_predict(cli, tmp_path):
     res = cli(
         "fit-laplace", "--model", "py:helpers_models:tiny_mlp", "--checkpoint", ckpt,
         "--data", f"npz:{tmp_path / 'd.npz'}", "--resize", "8", "--mean", "0.5", "--std", "0.25",
-        "--interpolation", "bicubic", "--prior-precision", "1", "--out", post, "--json",
+        "--interpolation", "bicubic", "--prior-precision", "1", "--out", post, "--json", "--device", "cpu",
     )  # fmt: skip
     assert res.code == 0, res.err
     assert json.loads(res.out)["preprocess"] == "none+overrides"
@@ -100,6 +100,7 @@ def test_recipe_is_recorded_and_reused_by_predict(cli, tmp_path):
     res = cli(
         "predict", "--posterior", post, "--model", "py:helpers_models:tiny_mlp",
         "--data", f"npz:{tmp_path / 'd.npz'}", "--link", "none", "--save-logits", "--out", pred, "--quiet",
+        "--device", "cpu",  # compared with the net run in-process on the CPU
     )  # fmt: skip
     assert res.code == 0, res.err
     from safetensors.torch import load_file

@@ -108,6 +108,8 @@ def _accuracy(net: torch.nn.Module) -> float:
 
 
 def _fit_and_predict(cli, tmp_path, spec: str, ckpt, *extra: str) -> dict:
+    """Fit and evaluate on the CPU: the MAP accuracy is compared with the net's, run in-process there."""
+    extra = (*extra, "--device", "cpu")
     post = tmp_path / "post.safetensors"
     r = cli("fit-laplace", "--model", spec, "--checkpoint", ckpt, "--data", "digits:train", "--limit", "300",
             "--prior-precision", "1", "--out", post, "--json", *extra)  # fmt: skip

@@ -291,7 +291,7 @@ def test_cli_fit_streams_the_same_posterior_as_an_in_memory_fit(cli, digits_ckpt
         post_path,
         "--quiet",
     ]
-    res = cli(*args, "--feature-cache", cache)
+    res = cli(*args, "--feature-cache", cache, "--device", "cpu")  # the in-memory fit below is on the CPU
     assert res.code == 0, res.err
     model = load_classifier("builtin:small-cnn", digits_ckpt)
     feats = extract_features(model, load_data("digits:train"), batch_size=100)
