@@ -99,8 +99,9 @@ class TemperaturePosterior(Posterior):
 def fit(source: FitSource, settings: TemperatureSettings) -> TemperaturePosterior:
     """Temperature scaling of ``source``'s classifier (module docs)."""
     head = source.classifier.head
-    weight = head.weight.detach().clone()
-    bias = None if head.bias is None else head.bias.detach().clone()
+    # the head's copy lives on the fit's device, wherever the caller left the classifier
+    weight = head.weight.detach().to(source.device, copy=True)
+    bias = None if head.bias is None else head.bias.detach().to(source.device, copy=True)
     if settings.temperature is not None:
         post = TemperaturePosterior(weight, bias, settings.temperature)
         post.meta["selection"] = unvalidated("temperature", settings.temperature, "given", fixed=True)

@@ -63,5 +63,5 @@ def train(
             offset += p.numel()
     clf.eval()
     training, loss = {"method": "bbb", **asdict(settings)}, post.meta["vi"]["objective"]
-    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), (mean, std), training, loss)
+    meta = checkpoint_metadata(spec, clf, train, val, device, (mean, std), training, loss)
     return clf, meta, post

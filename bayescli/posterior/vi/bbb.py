@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
@@ -248,7 +249,9 @@ class BBBPosterior(Posterior):
 
     def draws(self, num: int, generator: torch.Generator) -> torch.Tensor:
         """``num`` weight vectors ``[M, P]`` from ``q``."""
-        eps = torch.randn(num, self.mean.numel(), generator=generator, dtype=self.mean.dtype)
+        eps = torch.randn(
+            num, self.mean.numel(), generator=generator, dtype=self.mean.dtype, device=self.mean.device
+        )
         return self.mean + eps * self.std
 
     def sample_logits(
@@ -259,14 +262,13 @@ class BBBPosterior(Posterior):
         phi: torch.Tensor | None,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        """BNN predictive: the network's logits ``[M, N, K]`` at ``M`` draws from ``q``."""
-        return network_logits(classifier, x, self.draws(num, generator))
+        """BNN predictive: the network's logits ``[M, N, K]`` at ``M`` draws from ``q`` (on its device)."""
+        return network_logits(classifier, x.to(self.mean.device), self.draws(num, generator))
 
     def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
         """Moment-matched Gaussian of ``samples`` BNN logit draws (the same draws for every batch)."""
-        logits = self.sample_logits(
-            self.samples, classifier, x, None, torch.Generator().manual_seed(self.seed)
-        )
+        gen = devices.generator(self.mean.device, self.seed)
+        logits = self.sample_logits(self.samples, classifier, x, None, gen)
         centred = logits - logits.mean(0)
         cov = torch.einsum("mnk,mnl->nkl", centred, centred) / max(1, self.samples - 1)
         return LogitGaussian(logits.mean(0), cov.diagonal(dim1=1, dim2=2).clone(), cov, exact=False)
@@ -314,18 +316,18 @@ def train_mean_field(
     device: torch.device,
 ) -> tuple[BBBPosterior, list[float]]:
     """Run BBB from ``classifier``'s weights (the means) and return the posterior and the per-epoch
-    objective (``mean NLL + KL/N``)."""
-    torch.manual_seed(cfg.seed)  # the layers draw their noise from the global generator
+    objective (``mean NLL + KL/N``). Runs on ``device``; the posterior's tensors stay there."""
+    torch.manual_seed(cfg.seed)  # the layers draw their noise from the global generator (every device's)
     classifier.to(device)
     bnet = bayesian_copy(classifier.net, cfg.init_std).train()
     params = [p for p in bnet.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = devices.generator("cpu", cfg.seed)  # the minibatch order indexes the data, which live on the host
     n = len(train)
-    history = []
-    for _ in track(range(cfg.epochs), total=cfg.epochs, description="BBB"):
+    # the objective is summed on the device (float64, as Python floats would) and read once at the end
+    totals = torch.zeros(cfg.epochs, dtype=torch.float64, device=device)
+    for epoch in track(range(cfg.epochs), total=cfg.epochs, description="BBB"):
         perm = torch.randperm(n, generator=gen)
-        total = 0.0
         for start in range(0, n, cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
             xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
@@ -333,11 +335,9 @@ def train_mean_field(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += loss.item() * len(idx)
-        history.append(total / n)
-    classifier.cpu()
-    mean, std = moments(bnet.cpu(), classifier.net)
-    return BBBPosterior(mean, std, float(delta), n, cfg.samples, cfg.seed), history
+            totals[epoch] += loss.detach().double() * len(idx)
+    mean, std = moments(bnet, classifier.net)
+    return BBBPosterior(mean, std, float(delta), n, cfg.samples, cfg.seed), (totals / n).tolist()
 
 
 def validation(
@@ -354,7 +354,7 @@ def validation(
     def probs(post: BBBPosterior) -> torch.Tensor:
         parts = []
         for x, _ in val.batches(batch_size):
-            gen = torch.Generator().manual_seed(post.seed)
+            gen = devices.generator(post.mean.device, post.seed)
             parts.append(post.sample_logits(post.samples, classifier, x, None, gen).softmax(-1).mean(0))
         return torch.cat(parts)
 
@@ -431,11 +431,11 @@ def fit(source: FitSource, settings: BBBConfig) -> BBBPosterior:
     clf = source.classifier
     val = None
     if selects(settings.prior_precision, settings.select, source.val is not None):
-        map_probs = source.val_features().logits.softmax(-1).cpu()
+        map_probs = source.val_features().logits.softmax(-1)
         val = validation(clf, source.val, settings.samples, settings.select_by, source.batch_size, map_probs)
 
     def default() -> Default:
-        clf.cpu().eval()
+        clf.to(source.device).eval()
         batches = list(source.data.batches(source.batch_size))
         delta = fit_laplace(clf, batches=batches, subset=Subset.ALL, structure="diag").prior_precision
         return Default(delta, "laplace-marglik", MARGLIK_RULE)

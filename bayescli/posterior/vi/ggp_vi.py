@@ -49,6 +49,7 @@ from typing import ClassVar
 
 import torch
 
+from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
@@ -236,6 +237,7 @@ class GGPVIPosterior(Posterior):
 
     def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
         """SVGP logit Gaussian for pixel-space inputs ``x [N, ...]`` (all-layer kernels)."""
+        x = x.to(self.var_mean.device)
         if self.subset is Subset.LAST_LAYER:
             return self.logit_gaussian(classifier.features(x))
         if self.point_mass:  # the network's own logits f(x; θ*), zero variance
@@ -353,9 +355,8 @@ def _last_layer_kernel(
             parts.append(a)
             kres.append((x.square().sum(1) - a.square().sum(1)).clamp_min(0))
         k = head_weight.shape[0]
-        return Projected(
-            torch.cat(parts, -1), torch.cat(kres, -1), torch.zeros(len(p), k, dtype=torch.float64)
-        )
+        prior_mean = torch.zeros(len(p), k, dtype=torch.float64, device=p.device)
+        return Projected(torch.cat(parts, -1), torch.cat(kres, -1), prior_mean)
 
     u_star = z @ head_weight.double().T
     return _Kernel(whiten1, project(phi), None if val_phi is None else project(val_phi), u_star, phi[index])
@@ -365,6 +366,7 @@ def _all_layer_kernel(
     classifier: Classifier, train: Data, val: Data | None, index: torch.Tensor, batch_size: int
 ) -> _Kernel:
     theta = flat_parameters(classifier.net).double()
+    dev = theta.device
     k, m = classifier.num_classes, len(index)
     need = (m + batch_size) * k * theta.numel() * 8
     if need > MAX_JACOBIAN_BYTES:
@@ -372,14 +374,15 @@ def _all_layer_kernel(
             f"the all-layer GGP kernel keeps {m:,}×{k}×{theta.numel():,} Jacobian entries "
             f"({need / 2**30:.1f} GiB); lower inducing_points or use subset 'last-layer'"
         )
-    inducing = train.inputs(index)
+    inducing = train.inputs(index.cpu()).to(dev)  # the data live on the host: one copy of M indices
     f_z, jac_z = network_jacobian(classifier.net, classifier.normalise(inducing))
     jac_z = jac_z.double()
     whiten1 = whitening(torch.einsum("mcp,ncp->cmn", jac_z, jac_z))
 
     def project(data: Data) -> Projected:
         parts = [
-            jacobian_projection(classifier, x, jac_z, whiten1, theta) for x, _ in data.batches(batch_size)
+            jacobian_projection(classifier, x.to(dev), jac_z, whiten1, theta)
+            for x, _ in data.batches(batch_size)
         ]
         return Projected(
             torch.cat([p.a for p in parts], -1),
@@ -396,7 +399,8 @@ def _marglik_delta(
 ) -> float:
     """The Laplace marginal-likelihood ``δ`` (kron for the last layer, diag for all layers)."""
     if subset is Subset.LAST_LAYER:
-        return fit_laplace(classifier, phi=phi, labels=train.y, structure="kron").prior_precision
+        labels = train.y.to(phi.device)
+        return fit_laplace(classifier, phi=phi, labels=labels, structure="kron").prior_precision
     batches = list(train.batches(batch_size))
     return fit_laplace(classifier, batches=batches, subset=subset, structure="diag").prior_precision
 
@@ -414,12 +418,13 @@ def fit_over_grid(
     selecting = selects(cfg.prior_precision, cfg.select, source.val is not None)
     clf = source.classifier
     last = subset is Subset.LAST_LAYER
-    # the backbone runs on the source's device; the SVGP iterations run on the host (features come back once)
+    # the backbone, the kernel and the SVGP iterations all run on the source's device
+    dev = source.device
     val_feats = source.val_features() if selecting else None
-    phi = source.features().phi.cpu() if last else None
-    val_phi = val_feats.phi.cpu() if last and selecting else None
-    clf.cpu().eval()
-    index = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
+    phi = source.features().phi if last else None
+    val_phi = val_feats.phi if last and selecting else None
+    clf.to(dev).eval()
+    index = torch.randperm(len(train), generator=devices.generator(dev, cfg.seed), device=dev)
     index = index[: min(cfg.inducing_points, len(train))].sort().values
     bias = clf.head.bias is not None
     if last:
@@ -435,7 +440,7 @@ def fit_over_grid(
 
     def run(delta: float) -> GGPVIPosterior:
         args = (cfg.epochs, cfg.lr, cfg.batch_size, cfg.samples, cfg.seed)
-        result = train_svgp(kernel.train.at(delta), train.y, v1 * math.sqrt(delta), *args)
+        result = train_svgp(kernel.train.at(delta), train.y.to(dev), v1 * math.sqrt(delta), *args)
         post = GGPVIPosterior(
             kernel.whiten1 * math.sqrt(delta),
             result.mean,
@@ -469,7 +474,7 @@ def fit_over_grid(
             return mc_probs(predict_svgp(proj, post.var_mean, post.var_chol), cfg.seed)
 
         objective = f"validation {cfg.select_by.value} (svgp predictive, {VAL_SAMPLES} MC draws)"
-        val = Validation(probs, source.val.y, objective, val_feats.logits.softmax(-1).cpu())
+        val = Validation(probs, source.val.y, objective, val_feats.logits.softmax(-1))
 
     def default() -> Default:
         return Default(marglik, "laplace-marglik", MARGLIK_RULE)

@@ -251,6 +251,7 @@ class GLMVIPosterior(Posterior):
 
         ``classifier`` must carry ``θ*`` (the checkpoint the posterior was fitted on).
         """
+        x = x.to(self.gaussian.mean.device)
         if self.subset is Subset.LAST_LAYER:
             return self.logit_gaussian(classifier.features(x))
         f, jac = network_jacobian(classifier.net, classifier.normalise(x))
@@ -278,7 +279,7 @@ class GLMVIPosterior(Posterior):
             phi_aug = augment(phi) if self.head_bias else phi
             w = draws.reshape(num, *self.gaussian.mean.shape)
             return torch.einsum("nd,mkd->mnk", phi_aug.to(w.dtype), w).to(phi.dtype)
-        return network_logits(classifier, x, draws)
+        return network_logits(classifier, x.to(draws.device), draws)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.gaussian.tensors()
@@ -353,14 +354,12 @@ def _posterior(result: NGVIResult, delta: float, subset: Subset, data: GLMData) 
 
 
 def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
-    """The GLM predictive on the validation set (``VAL_SAMPLES`` seeded draws of its logit Gaussian).
-
-    The backbone pass runs here, before the classifier moves to the host for the iteration.
-    """
+    """The GLM predictive on the validation set (``VAL_SAMPLES`` seeded draws of its logit Gaussian),
+    on the source's device."""
     feats = source.val_features()
     classifier, batch_size = source.classifier, source.batch_size
     last = Subset(cfg.subset) is Subset.LAST_LAYER
-    val_phi = feats.phi.cpu() if last else None
+    val_phi = feats.phi if last else None
     likelihood = source.model.likelihood
 
     def probs(post: GLMVIPosterior) -> torch.Tensor:
@@ -376,7 +375,7 @@ def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
 
     draws = "E[sigmoid] per label by quadrature" if likelihood == "bernoulli" else f"{VAL_SAMPLES} MC draws"
     objective = f"validation {cfg.select_by.value} (glm predictive, {draws})"
-    map_probs = map_probabilities(feats.logits, likelihood).cpu()
+    map_probs = map_probabilities(feats.logits, likelihood)
     return Validation(probs, source.val.y, objective, map_probs)
 
 
@@ -395,13 +394,13 @@ def _prepare(source: FitSource, cfg: GLMVIConfig) -> _Problem:
         raise BayescliError(
             "glm-vi fits multi-label (bernoulli) models on the last layer only; use subset 'last-layer'"
         )
-    # the backbone runs on the source's device; the iterations run on the host (features come back once)
-    phi = source.features().phi.cpu() if subset is Subset.LAST_LAYER else None
-    classifier.cpu().eval()
+    # the backbone, the Laplace start and the iterations all run on the source's device
+    phi = source.features().phi if subset is Subset.LAST_LAYER else None
+    classifier.to(source.device).eval()
     data = linearised_data(classifier, train, subset, source.batch_size, phi, likelihood)
     if subset is Subset.LAST_LAYER:
         laplace = fit_laplace(
-            classifier, phi=phi, labels=train.y, structure=cfg.covariance, likelihood=likelihood
+            classifier, phi=phi, labels=data.labels, structure=cfg.covariance, likelihood=likelihood
         )
     else:
         batches = list(train.batches(source.batch_size))

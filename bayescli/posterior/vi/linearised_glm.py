@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
 from bayescli.models import Classifier
@@ -210,7 +211,7 @@ class _State:
         if blocks is not None:
             # block-diagonal over labels (the Bernoulli start and updates keep it so): K Choleskys of
             # [D, D] instead of one of [KD, KD]; the same factors, assembled for solve and kl
-            eye = torch.eye(blocks.shape[1], dtype=blocks.dtype)
+            eye = torch.eye(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
             chol_b = torch.linalg.cholesky(0.5 * (blocks + blocks.mT) + delta * eye)
             factor_b = torch.linalg.solve_triangular(chol_b, eye.expand_as(chol_b), upper=False).mT
             state = cls(
@@ -218,7 +219,7 @@ class _State:
             )
             state._blocks = factor_b @ factor_b.mT
             return state
-        eye = torch.eye(len(curvature), dtype=curvature.dtype)
+        eye = torch.eye(len(curvature), dtype=curvature.dtype, device=curvature.device)
         chol = torch.linalg.cholesky(0.5 * (curvature + curvature.T) + delta * eye)
         factor = torch.linalg.solve_triangular(chol, eye, upper=False).T
         return cls(mean, curvature, delta, factor=factor, chol=chol)
@@ -237,15 +238,15 @@ class _State:
             return self.variance * g
         return torch.cholesky_solve(g.reshape(-1, 1), self.chol).reshape(g.shape)
 
-    def kl(self) -> float:
-        """``KL(q ‖ N(0, δ⁻¹ I))``."""
+    def kl(self) -> torch.Tensor:
+        """``KL(q ‖ N(0, δ⁻¹ I))`` (a 0-dim tensor on the state's device: read once, after the loop)."""
         d, p = self.delta, self.mean.numel()
         if self.variance is not None:
             trace, logdet_prec = self.variance.sum(), torch.log(self.curvature + d).sum()
         else:
             trace, logdet_prec = self.factor.square().sum(), 2 * torch.log(self.chol.diagonal()).sum()
         value = d * trace + d * self.mean.square().sum() - p - p * math.log(d) + logdet_prec
-        return float(0.5 * value)
+        return 0.5 * value
 
 
 @dataclass
@@ -283,7 +284,8 @@ def natural_gradient_vi(
     require(delta > 0, f"prior precision must be positive, got {delta}")
     diag = curvature.shape == mean.shape
     state = _State.build(mean.double(), curvature.double(), float(delta))
-    gen = torch.Generator().manual_seed(seed)
+    dev = state.mean.device
+    gen = devices.generator(dev, seed)
     diag_logits = diag and data.last_layer  # the logit covariance is diagonal: sample K scalars
     bernoulli = data.likelihood == "bernoulli"
     # Last-layer diag with K > 2 works in float32 per chunk (GEMMs over ≤ batch_size inputs, Monte
@@ -291,7 +293,9 @@ def natural_gradient_vi(
     # covariances stay float64.
     mc = diag_logits and data.num_classes > 2 and not bernoulli
     work = torch.float32 if mc else torch.float64
-    elbo: list[float] = []
+    # the ELBO stays on the device, one 0-dim float64 tensor per iteration, read back once at the end
+    # (a read per chunk or iteration would wait for the device every time)
+    elbo: list[torch.Tensor] = []
     residuals: dict = {}
     n = len(data)
     stochastic = minibatch is not None and minibatch < n
@@ -300,17 +304,17 @@ def natural_gradient_vi(
     copies = (2 if diag else 1) * n * (data.phi.shape[1] + 1) if data.last_layer else 0
     if not stochastic and copies * work.itemsize <= PREPARED_BYTES:
         data = data.in_dtype(work, squares=diag)
-    order = torch.empty(0, dtype=torch.int64)
-    for _ in track(range(epochs), total=epochs, description="GLM VI"):
+    order = torch.empty(0, dtype=torch.int64, device=dev)
+    for step in track(range(epochs), total=epochs, description="GLM VI"):
         grad = torch.zeros_like(state.mean)
         curv = torch.zeros_like(state.curvature)
-        ell = 0.0
+        ell = torch.zeros((), dtype=torch.float64, device=dev)
         view = state if work == torch.float64 else replace(state, variance=state.variance.to(work))
         mean_w = state.mean.to(work)
         batch = data
         if stochastic:
             if len(order) < minibatch:
-                order = torch.cat([order, torch.randperm(n, generator=gen)])
+                order = torch.cat([order, torch.randperm(n, generator=gen, device=dev)])
             batch, order = data.rows(order[:minibatch]).in_dtype(work, squares=diag), order[minibatch:]
         for sl in batch.chunks(batch_size):
             mean_b = batch.logit_mean(mean_w, sl)
@@ -321,7 +325,7 @@ def natural_gradient_vi(
                 e_ll, resid, lam = softmax_expectations(
                     mean_b, cov_b, batch.labels[sl], samples, gen, diag_only=diag_logits
                 )
-            ell += float(e_ll.sum())
+            ell += e_ll.sum().double()
             grad += batch.gradient(resid, sl)
             curv += batch.curvature(lam, sl, diag)
         if stochastic:
@@ -329,16 +333,17 @@ def natural_gradient_vi(
             grad, curv, ell = grad * scale, curv * scale, ell * scale
         elbo.append(ell - state.kl())
         g = grad - delta * state.mean
-        residuals = {
-            "gradient": float(g.abs().max() / (delta * state.mean.abs().max()).clamp_min(1e-300)),
-            "curvature": float(
-                (curv - state.curvature).abs().max() / state.curvature.abs().max().clamp_min(1e-300)
-            ),
-        }
+        if step == epochs - 1:  # the fixed-point conditions at the last expansion point
+            residuals = {
+                "gradient": float(g.abs().max() / (delta * state.mean.abs().max()).clamp_min(1e-300)),
+                "curvature": float(
+                    (curv - state.curvature).abs().max() / state.curvature.abs().max().clamp_min(1e-300)
+                ),
+            }
         new_state = _State.build(state.mean, (1 - lr) * state.curvature + lr * curv, delta)
         new_state.mean = state.mean + lr * new_state.solve(g)  # the step uses the new precision
         state = new_state
-    return NGVIResult(state.mean, state.curvature, elbo, residuals)
+    return NGVIResult(state.mean, state.curvature, torch.stack(elbo).tolist() if elbo else [], residuals)
 
 
 def linearised_data(
@@ -350,11 +355,13 @@ def linearised_data(
     likelihood: str = "categorical",
 ) -> GLMData:
     """:class:`GLMData` for ``train``: features ``phi [N, D]`` (last layer) or per-input Jacobians
-    (all; categorical only)."""
+    (all; categorical only), on the device of ``phi`` (last layer) or of the classifier (all)."""
     k = classifier.num_classes
     if subset is Subset.LAST_LAYER:
-        return GLMData(train.y, k, phi=phi, bias=classifier.head.bias is not None, likelihood=likelihood)
+        labels = train.y.to(phi.device)
+        return GLMData(labels, k, phi=phi, bias=classifier.head.bias is not None, likelihood=likelihood)
     theta = flat_parameters(classifier.net).double()
+    dev = theta.device
     need = len(train) * k * theta.numel() * 4
     if need > MAX_JACOBIAN_BYTES:
         raise BayescliError(
@@ -363,7 +370,7 @@ def linearised_data(
         )
     jacs, offsets = [], []
     for x, _ in train.batches(batch_size):
-        f, jac = network_jacobian(classifier.net, classifier.normalise(x))
+        f, jac = network_jacobian(classifier.net, classifier.normalise(x.to(dev)))
         jacs.append(jac)
         offsets.append(f.double() - jac.double() @ theta)
-    return GLMData(train.y, k, jac=torch.cat(jacs), offset=torch.cat(offsets))
+    return GLMData(train.y.to(dev), k, jac=torch.cat(jacs), offset=torch.cat(offsets))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayescli import devices
 from bayescli.metrics import nll
 from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
 
@@ -28,10 +29,14 @@ def _hermegauss(num: int) -> tuple[np.ndarray, np.ndarray]:
     return nodes, weights / math.sqrt(2 * math.pi)
 
 
-def gauss_hermite(dtype: torch.dtype, num: int = GH_NODES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nodes and weights with ``E_{z~N(0,1)}[g(z)] ≈ Σ_i w_i g(z_i)`` (exact for degree < 2·num)."""
+def gauss_hermite(
+    dtype: torch.dtype, num: int = GH_NODES, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes and weights with ``E_{z~N(0,1)}[g(z)] ≈ Σ_i w_i g(z_i)`` (exact for degree < 2·num),
+    on ``device`` (default: the CPU)."""
     nodes, weights = _hermegauss(num)
-    return torch.as_tensor(nodes, dtype=dtype), torch.as_tensor(weights, dtype=dtype)
+    as_tensor = functools.partial(torch.as_tensor, dtype=dtype, device=device)
+    return as_tensor(nodes), as_tensor(weights)
 
 
 def _difference(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +51,7 @@ def _draws(mean: torch.Tensor, cov: torch.Tensor, samples: int, generator: torch
     float32: the Monte-Carlo error (~1/√S) dwarfs its round-off, and drawing and exponentiating
     S·B·K numbers dominates an iteration's time.
     """
-    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=torch.float32)
+    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=torch.float32, device=mean.device)
     if cov.dim() == 2:
         return mean.float() + eps * cov.clamp_min(0).sqrt().float()
     return mean.float() + torch.einsum("bkl,sbl->sbk", cholesky_jitter(cov).float(), eps)
@@ -69,7 +74,7 @@ def softmax_expectations(
     k = mean.shape[1]
     onehot = nn.functional.one_hot(labels, k).to(mean.dtype)
     if k == 2:
-        nodes, weights = gauss_hermite(mean.dtype)
+        nodes, weights = gauss_hermite(mean.dtype, device=mean.device)
         m, s = _difference(mean, cov)
         d = m[:, None] + s[:, None] * nodes  # [B, G]
         sig = torch.sigmoid(d)
@@ -80,7 +85,7 @@ def softmax_expectations(
         probs = torch.stack([p0, 1 - p0], 1)
         if diag_only:
             return ell, onehot - probs, lam[:, None].expand(-1, 2).clone()
-        block = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=mean.dtype)
+        block = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=mean.dtype, device=mean.device)
         return ell, onehot - probs, lam[:, None, None] * block
     logp = _draws(mean, cov, samples, generator).log_softmax(-1)
     p = logp.exp()
@@ -102,11 +107,11 @@ def expected_log_softmax(
     ``K = 2``: Gauss–Hermite on ``f₀ − f₁``; ``K > 2``: reparameterised Monte Carlo.
     """
     if mean.shape[1] == 2:
-        nodes, weights = gauss_hermite(mean.dtype)
+        nodes, weights = gauss_hermite(mean.dtype, device=mean.device)
         m, s = _difference(mean, var)
         sign = 1.0 - 2.0 * labels.to(mean.dtype)
         return nn.functional.logsigmoid(sign[:, None] * (m[:, None] + s[:, None] * nodes)) @ weights
-    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=mean.dtype)
+    eps = torch.randn(samples, *mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
     logp = (mean + eps * var.clamp_min(1e-30).sqrt()).log_softmax(-1)
     return logp.gather(2, labels.view(1, -1, 1).expand(samples, -1, 1)).squeeze(2).mean(0)
 
@@ -120,7 +125,7 @@ def expectation_label(num_classes: int, samples: int) -> str:
 
 def mc_probs(lg: LogitGaussian, seed: int, samples: int = VAL_SAMPLES) -> torch.Tensor:
     """The Monte-Carlo predictive ``E[softmax f] [N, K]``, ``f ~ lg`` (``samples`` seeded draws)."""
-    draws = lg.sample(samples, torch.Generator().manual_seed(seed))
+    draws = lg.sample(samples, devices.generator(lg.mean.device, seed))
     return draws.softmax(-1).mean(0)
 
 

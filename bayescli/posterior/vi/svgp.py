@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bayescli import devices
 from bayescli.errors import require
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.vi.softmax_expectations import expected_log_softmax
@@ -112,25 +113,26 @@ def train_svgp(
     """Maximise the whitened SVGP ELBO with Adam; ``init_mean [C, r]``, ``S`` starts at ``I``.
 
     Returns the variational means ``[C, r]``, Cholesky factors ``[C, r, r]`` and the per-epoch
-    objective ``−ELBO/N`` (a minibatch average).
+    objective ``−ELBO/N`` (a minibatch average). Runs on the device of ``proj`` (``labels`` there too).
     """
     n = len(labels)
     c, r = init_mean.shape
     # float32 like GPyTorch: the O(C·B·r²) products dominate; what cancels (``kres``) was formed in
     # float64 before.
     dtype = torch.float32
+    dev = init_mean.device
     proj = Projected(proj.a.to(dtype), proj.kres.to(dtype), proj.prior_mean.to(dtype))
     mean = init_mean.clone().to(dtype).requires_grad_(True)
-    raw = torch.zeros(c, r, r, dtype=dtype, requires_grad=True)
-    log_diag = torch.zeros(c, r, dtype=dtype, requires_grad=True)
+    raw = torch.zeros(c, r, r, dtype=dtype, device=dev, requires_grad=True)
+    log_diag = torch.zeros(c, r, dtype=dtype, device=dev, requires_grad=True)
     opt = torch.optim.Adam([mean, raw, log_diag], lr=lr)
     steps = epochs * math.ceil(n / batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    gen = torch.Generator().manual_seed(seed)
-    history = []
-    for _ in track(range(epochs), total=epochs, description="GGP VI"):
-        perm = torch.randperm(n, generator=gen)
-        total = 0.0
+    gen = devices.generator(dev, seed)
+    # the objective is summed on the device (float64, as Python floats would) and read once at the end
+    totals = torch.zeros(epochs, dtype=torch.float64, device=dev)
+    for epoch in track(range(epochs), total=epochs, description="GGP VI"):
+        perm = torch.randperm(n, generator=gen, device=dev)
         for start in range(0, n, batch_size):
             idx = perm[start : start + batch_size]
             chol = _chol(raw, log_diag)
@@ -141,7 +143,7 @@ def train_svgp(
             loss.backward()
             opt.step()
             sched.step()
-            total += loss.item() * len(idx)
-        history.append(total / n)
+            totals[epoch] += loss.detach().double() * len(idx)
+    history = (totals / n).tolist()
     with torch.no_grad():
         return SVGPResult(mean.detach().double(), _chol(raw, log_diag).detach().double(), history)
