@@ -92,6 +92,13 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log()).sum(-1)
 
 
+def entropy_of_log(log_probs: torch.Tensor) -> torch.Tensor:
+    """Predictive entropy per input ``[N]`` (nats) from ``log_probs [N, K]``: in float64 without
+    a floor, so that a saturated input's entropy is its tiny true value, not exactly 0."""
+    logp = log_probs.double()
+    return -(logp.exp() * logp).nan_to_num(nan=0.0).sum(-1)  # a −∞ log counts 0·∞ = 0
+
+
 def mmc(probs: torch.Tensor) -> float:
     """Mean max confidence."""
     return probs.max(-1).values.double().mean().item()
@@ -175,11 +182,16 @@ def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> d
 
 
 def selective(
-    probs: torch.Tensor, y: torch.Tensor, coverages: tuple[float, ...] = (0.5, 0.8, 0.9)
+    probs: torch.Tensor,
+    y: torch.Tensor,
+    coverages: tuple[float, ...] = (0.5, 0.8, 0.9),
+    log_probs: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Accuracy on the most confident fraction of inputs, and the area under the risk–coverage
-    curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better)."""
-    conf, pred = probs.double().max(-1)
+    curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better). Confidence is the top
+    log-probability of ``log_probs [N, K]`` when given: it keeps ranking inputs whose float32 top
+    probability saturated at 1.0."""
+    conf, pred = (probs.double() if log_probs is None else log_probs.double()).max(-1)
     correct = (pred == y.to(pred.device)).double()[conf.argsort(descending=True)]
     n = len(correct)
     cum_acc = correct.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64, device=correct.device)
@@ -207,13 +219,29 @@ def _average_precision(tps: torch.Tensor, fps: torch.Tensor) -> torch.Tensor:
     return (torch.diff(recall, prepend=recall.new_zeros(1)) * precision).sum()
 
 
+# A detection score whose pooled values tie more often than this gets its tied share reported:
+# its AUROC then counts each tie as half right, so it measures the ties as much as the score.
+TIE_REPORT = 0.01
+
+
+def tied_fraction(score: torch.Tensor) -> float:
+    """The share of ``score [N]`` whose value equals another entry's (0 when all differ)."""
+    s = score.sort().values
+    same = s[1:] == s[:-1]
+    tied = torch.zeros_like(s, dtype=torch.bool)
+    tied[1:] |= same
+    tied[:-1] |= same
+    return tied.double().mean().item() if len(s) else 0.0
+
+
 def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: int = 101) -> dict:
     """Detection of OOD inputs by a score where *higher means in-distribution*.
 
     In-distribution is the positive class: AUROC, AUPR-in (average precision, in positive),
     AUPR-out (out positive, score negated), FPR at 95% TPR, and a down-sampled ROC curve. The
     definitions are scikit-learn's (``roc_curve`` with its collinear points dropped,
-    ``roc_auc_score``, ``average_precision_score``), computed on the scores' device.
+    ``roc_auc_score``, ``average_precision_score``), computed on the scores' device. When more than
+    ``TIE_REPORT`` of the pooled scores tie (a saturated score), ``tied_fraction`` gives that share.
     """
     if not len(score_in) or not len(score_out):
         raise ValueError(f"OOD metrics need both sets: {len(score_in)} in- and {len(score_out)} out-scores")
@@ -239,13 +267,27 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
     picks = sorted(
         {int(round(i)) for i in torch.linspace(0, len(fpr) - 1, min(curve_points, len(fpr))).tolist()}
     )
-    return {
+    out = {
         "auroc": auroc,
         "aupr_in": aupr_in,
         "aupr_out": aupr_out,
         "fpr95": fpr95,
         "roc": {"fpr": [fpr[i] for i in picks], "tpr": [tpr[i] for i in picks]},
     }
+    ties = tied_fraction(s)
+    if ties > TIE_REPORT:
+        out["tied_fraction"] = ties
+    return out
+
+
+def tie_note(where: str, tied: dict[str, float]) -> str:
+    """One line naming the scores ``{"METHOD SCORE": share}`` whose values tie on ``where``."""
+    worst = ", ".join(f"{name} {share:.0%}" for name, share in sorted(tied.items(), key=lambda kv: -kv[1]))
+    return (
+        f"OOD {where}: tied scores (share of inputs: {worst}): a saturated score ranks ties as half "
+        "right, so its AUROC measures the ties; prefer a score that still separates them (max_logit, "
+        "energy, or a Bayesian method's scores)"
+    )
 
 
 def low_accuracy_warning(acc: float, num_classes: int, where: str, multilabel: bool = False) -> str | None:
