@@ -30,6 +30,7 @@ from bayescli.metrics import (
     ece,
     log_probabilities,
     map_log_probabilities,
+    max_prob_logit,
     nll,
     ood_metrics,
 )
@@ -73,8 +74,9 @@ def score_probs(
 
 
 def _auroc(log_probs_in: torch.Tensor, log_probs_out: torch.Tensor) -> float:
-    """Max-prob AUROC, ranked on the log-probabilities ``[N, K]`` (no ties where float32 saturates)."""
-    return ood_metrics(log_probs_in.max(-1).values.cpu(), log_probs_out.max(-1).values.cpu())["auroc"]
+    """Max-prob AUROC, ranked by the top class's log-odds from the log-probabilities ``[N, K]``
+    (no ties where the probabilities saturate)."""
+    return ood_metrics(max_prob_logit(log_probs_in).cpu(), max_prob_logit(log_probs_out).cpu())["auroc"]
 
 
 def select(

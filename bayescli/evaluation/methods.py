@@ -6,8 +6,8 @@ Every method runs on the same extracted features; each returns probabilities and
 scores that fit it, all oriented so that *higher means in-distribution*:
 
 * every method: ``max_prob`` and ``neg_entropy`` (−H[p]), both from the method's float64
-  log-probabilities (``max_k log p_k`` ranks as the max probability does, but keeps ranking
-  inputs whose float32 max probability saturated at exactly 1.0);
+  log-probabilities (``max_prob`` is the top class's log-odds, which ranks as the max probability
+  does but keeps ranking inputs whose max probability saturated at exactly 1.0);
 * ``*-bridge``: ``alpha0`` (Dirichlet precision) and ``neg_mutual_information``;
 * ``*-mc`` and BNN sampling: ``neg_mutual_information`` (H[E p] − E H[p] over the samples).
 """
@@ -22,7 +22,7 @@ import torch
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
-from bayescli.metrics import entropy, entropy_of_log, map_log_probabilities
+from bayescli.metrics import entropy, entropy_of_log, map_log_probabilities, max_prob_logit
 from bayescli.models import Classifier
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
@@ -146,4 +146,4 @@ def run_method(
 def _base_scores(probs: torch.Tensor, log_probs: torch.Tensor | None) -> dict[str, torch.Tensor]:
     if log_probs is None:
         return {"max_prob": probs.max(-1).values.double(), "neg_entropy": -entropy(probs)}
-    return {"max_prob": log_probs.double().max(-1).values, "neg_entropy": -entropy_of_log(log_probs)}
+    return {"max_prob": max_prob_logit(log_probs), "neg_entropy": -entropy_of_log(log_probs)}

@@ -180,24 +180,24 @@ def _gathered(feats: Features, outs: dict[str, MethodOutput]) -> tuple[Features,
 def _tie_notes(
     where: str, clean: dict[str, MethodOutput], outs: dict[str, MethodOutput], rows: dict
 ) -> list[str]:
-    """Record in each method's OOD row ``rows[name]`` the share of the pooled test and OOD inputs
-    whose float32 max probability ties with another's (``float32_max_prob_ties``, above
-    ``TIE_REPORT``: there a max-prob AUROC computed on the float32 probabilities is an artefact of
-    the ties; ``max_prob`` here is ranked in log space); one note line naming every score that
-    ties, the float32 max probability and any reported score whose own ties exceed ``TIE_REPORT``."""
+    """Record in each method's ``max_prob`` row of ``rows`` the share of the pooled test and OOD
+    inputs whose float32 max probability ties (``float32_tied_fraction``: saturated at 1.0, where a
+    max-prob AUROC on float32 probabilities is an artefact of the ties; ``max_prob`` here is ranked
+    in log space); one note line naming every score, and float32 max probability, whose ties
+    exceed ``TIE_REPORT`` on ``where``."""
     tied: dict[str, float] = {}
+    saturated: dict[str, float] = {}
     for name, o in outs.items():
-        pooled = torch.cat(
-            [clean[name].probs.max(-1).values.float().cpu(), o.probs.max(-1).values.float().cpu()]
-        )
-        share = tied_fraction(pooled)
+        pooled = torch.cat([clean[name].probs.max(-1).values.cpu(), o.probs.max(-1).values.cpu()])
+        share = tied_fraction(pooled.float())
+        if isinstance(rows[name].get("max_prob"), dict):
+            rows[name]["max_prob"]["float32_tied_fraction"] = share
         if share > TIE_REPORT:
-            rows[name]["float32_max_prob_ties"] = share
-            tied[f"{name} float32 max-prob"] = share
+            saturated[name] = share
         for score, res in rows[name].items():
-            if isinstance(res, dict) and "tied_fraction" in res:
+            if isinstance(res, dict) and res.get("tied_fraction", 0) > TIE_REPORT:
                 tied[f"{name} {score}"] = res["tied_fraction"]
-    return [tie_note(where, tied)] if tied else []
+    return [tie_note(where, tied, saturated)] if tied or saturated else []
 
 
 def _in_distribution(data: Data, outs: dict[str, MethodOutput]) -> dict:
