@@ -54,17 +54,13 @@ def correct(
     return mu, var
 
 
-def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """Eq. 7, ``α_k = (1/Σ_kk)(1 − 2/K + e^{μ_k}/K² Σ_l e^{−μ_l})``, evaluated in log space.
-
-    ``e^{μ_k} Σ_l e^{−μ_l} = exp(μ_k + logsumexp(−μ))``, so ``|μ|`` in the hundreds neither
-    overflows nor underflows; ``α`` itself overflows only beyond float64's range.
-    """
+def _bridge_terms(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """``t = μ_k + logsumexp(−μ) − 2 log K`` (so that eq. 7's bracket is ``e^t + const``), ``const =
+    1 − 2/K`` and the variances the bridge divides by (point masses' rows made isotropic, floored)."""
     k = mu.shape[-1]
     if k < 2:
         raise BayescliError("the Laplace bridge needs at least 2 classes")
     t = mu + (torch.logsumexp(-mu, dim=-1, keepdim=True) - 2 * math.log(k))
-    const = 1 - 2 / k
     # A point mass (zero logit variance: temperature scaling, a MAP fallback) has no bridge: α → ∞.
     # The floor keeps α₀ ≤ ~1e300 and its mean finite, so a report shows the degenerate Dirichlet
     # (with its near-zero-variance note) instead of NaN; real variances are far above it.
@@ -72,17 +68,44 @@ def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     # mean one-hot on the zeros. Its rows get the isotropic limit instead: one variance per row.
     point = var.sum(-1, keepdim=True) <= POINT_MASS_TRACE
     var = torch.where(point, var.amax(-1, keepdim=True), var).clamp_min(1e-30)
+    return t, 1 - 2 / k, var
+
+
+def _log_bracket(t: torch.Tensor, const: float) -> torch.Tensor:
+    return t if const == 0 else torch.logaddexp(t, torch.full_like(t, math.log(const)))
+
+
+def bridge_alpha(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """Eq. 7, ``α_k = (1/Σ_kk)(1 − 2/K + e^{μ_k}/K² Σ_l e^{−μ_l})``, evaluated in log space.
+
+    ``e^{μ_k} Σ_l e^{−μ_l} = exp(μ_k + logsumexp(−μ))``, so ``|μ|`` in the hundreds neither
+    overflows nor underflows; ``α`` itself overflows only beyond float64's range (then
+    :func:`bridge_log_alpha` still holds it).
+    """
+    t, const, var = _bridge_terms(mu, var)
     # Where e^t is finite (t < 700) the direct form is exact and cheapest. On the CPU one look at
     # max t picks the form for the whole block; on a GPU that look would stall the queue, so
     # both forms are evaluated and merged elementwise (a few more passes over [N, K]).
     on_host = t.device.type == "cpu"
     if on_host and float(t.max()) < 700:
         return t.exp_().add_(const).div_(var)
-    log_bracket = t if const == 0 else torch.logaddexp(t, torch.full_like(t, math.log(const)))
-    log_form = torch.exp(log_bracket - var.log())
+    log_form = torch.exp(_log_bracket(t, const) - var.log())
     if on_host:
         return log_form
     return torch.where(t < 700, t.clamp(max=700).exp().add_(const).div_(var), log_form)
+
+
+def bridge_log_alpha(mu: torch.Tensor, var: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``log α [N, K]`` of :func:`bridge_alpha`'s ``alpha`` for the same ``μ, diag Σ``, finite
+    where ``α`` overflowed to ``inf`` (or underflowed to 0, ``K = 2``): those entries are taken
+    in log space, ``log(e^t + const) − log Σ_kk``. On a CPU the log form runs only for a block that
+    needs it; on a GPU always (no host read)."""
+    log_alpha = alpha.log()
+    bad = ~torch.isfinite(log_alpha)
+    if alpha.device.type == "cpu" and not bool(bad.any()):
+        return log_alpha
+    t, const, var = _bridge_terms(mu, var)
+    return torch.where(bad, _log_bracket(t, const) - var.log(), log_alpha)
 
 
 def laplace_bridge(
@@ -129,8 +152,14 @@ def precision(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def mean(alpha: torch.Tensor) -> torch.Tensor:
-    """``E[π] = α/α₀`` ``[N, K]`` (eq. 11)."""
-    return alpha / alpha.sum(-1, keepdim=True)
+    """``E[π] = α/α₀`` ``[N, K]`` (eq. 11); a row with infinite ``α_k`` (a bridge that overflowed
+    float64: a point mass) has its mean shared equally by its infinite entries, never NaN."""
+    a0 = alpha.sum(-1, keepdim=True)
+    out = alpha / a0
+    if alpha.device.type == "cpu" and bool(torch.isfinite(a0).all()):
+        return out
+    inf = torch.isinf(alpha).to(alpha.dtype)
+    return torch.where(torch.isinf(a0), inf / inf.sum(-1, keepdim=True).clamp_min(1), out)
 
 
 def variance(alpha: torch.Tensor) -> torch.Tensor:

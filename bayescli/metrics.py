@@ -92,6 +92,33 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log()).sum(-1)
 
 
+def _top_and_rest(log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index [N], log Σ_{j≠top} p_j [N], log p_top [N])`` of ``log_probs [N, K]`` in float64,
+    ``log p_top = −log1p(Σ_{j≠top} p_j / p_top)`` taken from the rest, so that it keeps its digits
+    where ``p_top`` rounds to 1 (a float64 log-softmax rounds it to exactly 0 beyond ~37 nats)."""
+    logp = log_probs.double()
+    top, idx = logp.max(-1)
+    rest = logp.scatter(-1, idx.unsqueeze(-1), -math.inf).logsumexp(-1)
+    return idx, rest, -torch.log1p(torch.exp(rest - top))
+
+
+def max_prob_logit(log_probs: torch.Tensor) -> torch.Tensor:
+    """``log p_top − log(1 − p_top)`` ``[N]`` from ``log_probs [N, K]``: increasing in the max
+    probability, so it ranks as max-prob does, but computed from the other classes' log-probabilities
+    it still separates inputs whose max probability is 1.0 to float32 and float64 (up to ~700 nats)."""
+    _, rest, log_top = _top_and_rest(log_probs)
+    return log_top - rest
+
+
+def entropy_of_log(log_probs: torch.Tensor) -> torch.Tensor:
+    """Predictive entropy per input ``[N]`` (nats) from ``log_probs [N, K]``, in float64 without a
+    floor and with the top class's ``log p`` from the rest (:func:`max_prob_logit`), so that a
+    saturated input's entropy is its tiny true value, not exactly 0."""
+    idx, _, log_top = _top_and_rest(log_probs)
+    logp = log_probs.double().scatter(-1, idx.unsqueeze(-1), log_top.unsqueeze(-1))
+    return -(logp.exp() * logp).nan_to_num(nan=0.0).sum(-1)  # a −∞ log counts 0·∞ = 0
+
+
 def mmc(probs: torch.Tensor) -> float:
     """Mean max confidence."""
     return probs.max(-1).values.double().mean().item()
@@ -175,11 +202,17 @@ def reliability(probs: torch.Tensor, y: torch.Tensor, bins: int = ECE_BINS) -> d
 
 
 def selective(
-    probs: torch.Tensor, y: torch.Tensor, coverages: tuple[float, ...] = (0.5, 0.8, 0.9)
+    probs: torch.Tensor,
+    y: torch.Tensor,
+    coverages: tuple[float, ...] = (0.5, 0.8, 0.9),
+    log_probs: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Accuracy on the most confident fraction of inputs, and the area under the risk–coverage
-    curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better)."""
-    conf, pred = probs.double().max(-1)
+    curve ``AURC = (1/N) Σ_k risk(k most confident)`` (lower is better). Confidence is
+    :func:`max_prob_logit` of ``log_probs [N, K]`` when given: it keeps ranking inputs whose float32
+    top probability saturated at 1.0."""
+    pred = probs.double().argmax(-1)
+    conf = probs.double().max(-1).values if log_probs is None else max_prob_logit(log_probs)
     correct = (pred == y.to(pred.device)).double()[conf.argsort(descending=True)]
     n = len(correct)
     cum_acc = correct.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64, device=correct.device)
@@ -207,13 +240,30 @@ def _average_precision(tps: torch.Tensor, fps: torch.Tensor) -> torch.Tensor:
     return (torch.diff(recall, prepend=recall.new_zeros(1)) * precision).sum()
 
 
+# A detection score whose pooled values tie more often than this gets its tied share reported:
+# its AUROC then counts each tie as half right, so it measures the ties as much as the score.
+TIE_REPORT = 0.01
+
+
+def tied_fraction(score: torch.Tensor) -> float:
+    """The share of ``score [N]`` whose value equals another entry's (0 when all differ)."""
+    s = score.sort().values
+    same = s[1:] == s[:-1]
+    tied = torch.zeros_like(s, dtype=torch.bool)
+    tied[1:] |= same
+    tied[:-1] |= same
+    return tied.double().mean().item() if len(s) else 0.0
+
+
 def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: int = 101) -> dict:
     """Detection of OOD inputs by a score where *higher means in-distribution*.
 
     In-distribution is the positive class: AUROC, AUPR-in (average precision, in positive),
     AUPR-out (out positive, score negated), FPR at 95% TPR, and a down-sampled ROC curve. The
     definitions are scikit-learn's (``roc_curve`` with its collinear points dropped,
-    ``roc_auc_score``, ``average_precision_score``), computed on the scores' device.
+    ``roc_auc_score``, ``average_precision_score``), computed on the scores' device; and
+    ``tied_fraction``, the share of the pooled scores that tie (above ``TIE_REPORT`` the AUROC
+    measures the ties: a note says so).
     """
     if not len(score_in) or not len(score_out):
         raise ValueError(f"OOD metrics need both sets: {len(score_in)} in- and {len(score_out)} out-scores")
@@ -239,13 +289,39 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
     picks = sorted(
         {int(round(i)) for i in torch.linspace(0, len(fpr) - 1, min(curve_points, len(fpr))).tolist()}
     )
-    return {
+    out = {
         "auroc": auroc,
         "aupr_in": aupr_in,
         "aupr_out": aupr_out,
         "fpr95": fpr95,
         "roc": {"fpr": [fpr[i] for i in picks], "tpr": [tpr[i] for i in picks]},
     }
+    out["tied_fraction"] = tied_fraction(s)
+    return out
+
+
+def tie_note(where: str, scores: dict[str, float], float32_max_prob: dict[str, float]) -> str:
+    """One line for OOD set ``where``: the reported scores ``{"METHOD SCORE": share}`` whose values
+    tie, and the methods ``{METHOD: share}`` whose float32 max probability ties (saturates)."""
+    parts = []
+    if scores:
+        shares = ", ".join(
+            f"{name} {share:.1%}" for name, share in sorted(scores.items(), key=lambda kv: -kv[1])
+        )
+        parts.append(
+            f"tied scores ({shares} of the pooled inputs): a tie ranks half right, so such an AUROC "
+            "measures the ties; prefer a score that still separates them (max_logit, energy)"
+        )
+    if float32_max_prob:
+        shares = ", ".join(
+            f"{m} {share:.1%}" for m, share in sorted(float32_max_prob.items(), key=lambda kv: -kv[1])
+        )
+        parts.append(
+            f"max probability saturated at 1.0 in float32 ({shares} of the pooled inputs tie): max_prob "
+            "is ranked by log-odds from the log-probabilities, but one computed on float32 "
+            "probabilities would be an artefact of those ties"
+        )
+    return f"OOD {where}: " + "; ".join(parts)
 
 
 def low_accuracy_warning(acc: float, num_classes: int, where: str, multilabel: bool = False) -> str | None:

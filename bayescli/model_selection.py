@@ -24,7 +24,16 @@ from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
 from bayescli.fitting import DataOptions, fit_posterior
 from bayescli.io import write_json
-from bayescli.metrics import accuracy, brier, ece, map_log_probabilities, nll, ood_metrics
+from bayescli.metrics import (
+    accuracy,
+    brier,
+    ece,
+    log_probabilities,
+    map_log_probabilities,
+    max_prob_logit,
+    nll,
+    ood_metrics,
+)
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
@@ -65,8 +74,10 @@ def score_probs(
     return {"accuracy": accuracy(p, y), "nll": nll(p, y, logp), "ece": ece(p, y), "brier": brier(p, y)}
 
 
-def _auroc(probs_in: torch.Tensor, probs_out: torch.Tensor) -> float:
-    return ood_metrics(probs_in.max(-1).values.cpu(), probs_out.max(-1).values.cpu())["auroc"]
+def _auroc(log_probs_in: torch.Tensor, log_probs_out: torch.Tensor) -> float:
+    """Max-prob AUROC, ranked by the top class's log-odds from the log-probabilities ``[N, K]``
+    (no ties where the probabilities saturate)."""
+    return ood_metrics(max_prob_logit(log_probs_in).cpu(), max_prob_logit(log_probs_out).cpu())["auroc"]
 
 
 def select(
@@ -97,10 +108,10 @@ def select(
     if ood:
         stage(f"backbone pass: {len(ood)} OOD set{'s' if len(ood) != 1 else ''}")
     ood_feats = {name: source.features(data) for name, data in ood.items()}
-    map_probs = val.logits.softmax(-1)
+    map_probs, map_logp = val.logits.softmax(-1), map_log_probabilities(val.logits)
     map_row = {
-        **score_probs(map_probs, labels, map_log_probabilities(val.logits)),
-        "auroc": {name: _auroc(map_probs, f.logits.softmax(-1)) for name, f in ood_feats.items()},
+        **score_probs(map_probs, labels, map_logp),
+        "auroc": {name: _auroc(map_logp, map_log_probabilities(f.logits)) for name, f in ood_feats.items()},
     }
     rows: dict[str, dict] = {}
     posteriors: dict[str, Posterior] = {}
@@ -110,7 +121,7 @@ def select(
         post = fit_posterior(name, source, data_options=data_options, **opts.settings.get(name, {}))
         seconds = time.perf_counter() - start
 
-        def probs_of(feats: object, data: Data, post: Posterior = post) -> torch.Tensor:
+        def probs_of(feats: object, data: Data, post: Posterior = post) -> tuple[torch.Tensor, torch.Tensor]:
             pred = predict(
                 post,
                 feats,
@@ -122,12 +133,13 @@ def select(
                 data=data,
                 batch_size=source.batch_size,
             )
-            return pred.probs
+            logp = pred.log_probs if pred.log_probs is not None else log_probabilities(pred.probs)
+            return pred.probs, logp
 
-        probs = probs_of(val, source.val)
+        probs, logp = probs_of(val, source.val)
         row = {
-            **score_probs(probs, labels),
-            "auroc": {n: _auroc(probs, probs_of(f, ood[n])) for n, f in ood_feats.items()},
+            **score_probs(probs, labels, logp),
+            "auroc": {n: _auroc(logp, probs_of(f, ood[n])[1]) for n, f in ood_feats.items()},
             "hyperparameters": _chosen(post),
             "fit_seconds": seconds,
             "predictive": f"glm-{post.default_link.value}",

@@ -80,7 +80,7 @@ def predict_cmd(
     --link probit --out pred.json
     """
     from bayescli.io import save_tensors, write_json, write_jsonl
-    from bayescli.metrics import classification_summary
+    from bayescli.metrics import classification_summary, map_log_probabilities
     from bayescli.predictive.fidelity import GAUSSIAN_IMAGE
     from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
     from bayescli.predictive.glm import map_probabilities, predict
@@ -167,10 +167,13 @@ def predict_cmd(
     summarise = multilabel_scores if multilabel else classification_summary
     map_probs = map_probabilities(feats.logits, post.likelihood)
     method = f"{predictive.value}-{link.value}" + (" (gaussian image)" if approximation else "")
-    results = {
-        "map": summarise(map_probs, feats.labels),
-        method: summarise(pred.probs, feats.labels),
-    }
+    if multilabel:
+        results = {"map": summarise(map_probs, feats.labels), method: summarise(pred.probs, feats.labels)}
+    else:  # NLLs from each side's own float64 log-probabilities (exact on saturated inputs)
+        results = {
+            "map": summarise(map_probs, feats.labels, map_log_probabilities(feats.logits)),
+            method: summarise(pred.probs, feats.labels, pred.log_probs),
+        }
     extra = dirichlet_fields(pred.alpha) if pred.alpha is not None else {}
     if pred.per_label is not None:
         extra = per_label_fields(pred.per_label)

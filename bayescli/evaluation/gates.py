@@ -106,7 +106,7 @@ IN_DISTRIBUTION = (
     "aurc",
     "argmax_changed_fraction",
 )
-DETECTION = ("auroc", "aupr_in", "aupr_out", "fpr95")
+DETECTION = ("auroc", "aupr_in", "aupr_out", "fpr95", "tied_fraction")
 _MAP_ONLY = ("mahalanobis", "rel_mahalanobis", "knn", "vim", "react", "odin")
 _LOGITS = ("max_logit", "energy")
 _POSTERIOR_ONLY = ("alpha0", "neg_mutual_information")
@@ -133,6 +133,12 @@ _WITH_MI = ("neg_mi_sum", "neg_mi_max")  # the links with a per-label mutual inf
 
 def _leaves(keys: tuple[str, ...]) -> dict:
     return dict.fromkeys(keys)
+
+
+def _detection(score: str, multilabel: bool) -> dict:
+    # a softmax method's max_prob row also holds the ties of its float32 max probability
+    extra = ("float32_tied_fraction",) if score == "max_prob" and not multilabel else ()
+    return _leaves(DETECTION + extra)
 
 
 def expected_results(
@@ -178,7 +184,8 @@ def expected_results(
     if ood:
         mean = "mean_max_sigmoid" if multilabel else "mmc"
         cells = {
-            m: {mean: None, **{s: _leaves(DETECTION) for s in ood_scores if applies(s, m)}} for m in methods
+            m: {mean: None, **{s: _detection(s, multilabel) for s in ood_scores if applies(s, m)}}
+            for m in methods
         }
         tree["ood"] = {(k[:-5] if k.endswith(":test") else k): cells for k in ood}
     if rotations:

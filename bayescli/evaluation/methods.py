@@ -5,7 +5,9 @@ bridge correction other than the default).
 Every method runs on the same extracted features; each returns probabilities and the OOD
 scores that fit it, all oriented so that *higher means in-distribution*:
 
-* every method: ``max_prob`` and ``neg_entropy`` (−H[p]);
+* every method: ``max_prob`` and ``neg_entropy`` (−H[p]), both from the method's float64
+  log-probabilities (``max_prob`` is the top class's log-odds, which ranks as the max probability
+  does but keeps ranking inputs whose max probability saturated at exactly 1.0);
 * ``*-bridge``: ``alpha0`` (Dirichlet precision) and ``neg_mutual_information``;
 * ``*-mc`` and BNN sampling: ``neg_mutual_information`` (H[E p] − E H[p] over the samples).
 """
@@ -20,7 +22,7 @@ import torch
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.features import Features
-from bayescli.metrics import entropy
+from bayescli.metrics import entropy, entropy_of_log, map_log_probabilities, max_prob_logit
 from bayescli.models import Classifier
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
@@ -87,11 +89,13 @@ def parse_methods(text: str) -> list[Method]:
 
 @dataclass
 class MethodOutput:
-    """Probabilities ``[N, K]``, OOD scores ``{name: [N]}`` and seconds spent."""
+    """Probabilities ``[N, K]``, OOD scores ``{name: [N]}``, seconds spent and the float64
+    log-probabilities ``[N, K]`` (softmax methods; the NLL and selective scores use them)."""
 
     probs: torch.Tensor
     scores: dict[str, torch.Tensor]
     seconds: dict[str, float]
+    log_probs: torch.Tensor | None = None
 
 
 def run_method(
@@ -112,8 +116,9 @@ def run_method(
         if method.name == "temp" and temperature is None:
             raise BayescliError("the temp method needs a fitted temperature (validation data)")
         logits = feats.logits if method.name == "map" else feats.logits / temperature
-        probs = logits.softmax(-1)
-        return MethodOutput(probs, _base_scores(probs), {"link": time.perf_counter() - start})
+        probs, log_probs = logits.softmax(-1), map_log_probabilities(logits)
+        seconds = {"link": time.perf_counter() - start}
+        return MethodOutput(probs, _base_scores(probs, log_probs), seconds, log_probs)
     pred = predict(
         posterior,
         feats,
@@ -126,7 +131,7 @@ def run_method(
         method.correction,
         ggp=ggp,
     )
-    scores = _base_scores(pred.probs)
+    scores = _base_scores(pred.probs, pred.log_probs)
     if pred.alpha is not None:
         scores["alpha0"] = dirichlet.precision(pred.alpha)
         scores["neg_mutual_information"] = -dirichlet.mutual_information(pred.alpha)
@@ -134,8 +139,11 @@ def run_method(
         scores["neg_mutual_information"] = -(entropy(pred.probs) - pred.expected_entropy.double()).clamp_min(
             0
         )
-    return MethodOutput(pred.probs, scores, {k: v for k, v in pred.timings.items() if k != "forward"})
+    seconds = {k: v for k, v in pred.timings.items() if k != "forward"}
+    return MethodOutput(pred.probs, scores, seconds, pred.log_probs)
 
 
-def _base_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"max_prob": probs.max(-1).values.double(), "neg_entropy": -entropy(probs)}
+def _base_scores(probs: torch.Tensor, log_probs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if log_probs is None:
+        return {"max_prob": probs.max(-1).values.double(), "neg_entropy": -entropy(probs)}
+    return {"max_prob": max_prob_logit(log_probs), "neg_entropy": -entropy_of_log(log_probs)}

@@ -36,12 +36,15 @@ from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, ru
 from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import (
     PROTOCOL,
+    TIE_REPORT,
     accuracy,
     classification_summary,
     near_zero_variance_warning,
     ood_metrics,
     reliability,
     selective,
+    tie_note,
+    tied_fraction,
 )
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Predictive
@@ -152,7 +155,10 @@ class Evaluator:
                 name: ml.shift_summary(o.probs, data.y, data.class_names)
                 for name, o in self.outputs(data).items()
             }
-        return {name: classification_summary(o.probs, data.y) for name, o in self.outputs(data).items()}
+        return {
+            name: classification_summary(o.probs, data.y, o.log_probs)
+            for name, o in self.outputs(data).items()
+        }
 
 
 def _gathered(feats: Features, outs: dict[str, MethodOutput]) -> tuple[Features, dict[str, MethodOutput]]:
@@ -165,18 +171,42 @@ def _gathered(feats: Features, outs: dict[str, MethodOutput]) -> tuple[Features,
             parallel.gather(o.probs),
             {k: None if v is None else parallel.gather(v) for k, v in o.scores.items()},
             o.seconds,
+            None if o.log_probs is None else parallel.gather(o.log_probs),
         )
         for name, o in outs.items()
     }
+
+
+def _tie_notes(
+    where: str, clean: dict[str, MethodOutput], outs: dict[str, MethodOutput], rows: dict
+) -> list[str]:
+    """Record in each method's ``max_prob`` row of ``rows`` the share of the pooled test and OOD
+    inputs whose float32 max probability ties (``float32_tied_fraction``: saturated at 1.0, where a
+    max-prob AUROC on float32 probabilities is an artefact of the ties; ``max_prob`` here is ranked
+    in log space); one note line naming every score, and float32 max probability, whose ties
+    exceed ``TIE_REPORT`` on ``where``."""
+    tied: dict[str, float] = {}
+    saturated: dict[str, float] = {}
+    for name, o in outs.items():
+        pooled = torch.cat([clean[name].probs.max(-1).values.cpu(), o.probs.max(-1).values.cpu()])
+        share = tied_fraction(pooled.float())
+        if isinstance(rows[name].get("max_prob"), dict):
+            rows[name]["max_prob"]["float32_tied_fraction"] = share
+        if share > TIE_REPORT:
+            saturated[name] = share
+        for score, res in rows[name].items():
+            if isinstance(res, dict) and res.get("tied_fraction", 0) > TIE_REPORT:
+                tied[f"{name} {score}"] = res["tied_fraction"]
+    return [tie_note(where, tied, saturated)] if tied or saturated else []
 
 
 def _in_distribution(data: Data, outs: dict[str, MethodOutput]) -> dict:
     res = {}
     for name, o in outs.items():
         res[name] = {
-            **classification_summary(o.probs, data.y),
+            **classification_summary(o.probs, data.y, o.log_probs),
             **calibration_extras(o.probs, data.y),
-            **selective(o.probs, data.y),
+            **selective(o.probs, data.y, log_probs=o.log_probs),
             "reliability": reliability(o.probs, data.y),
         }
     return res
@@ -382,6 +412,7 @@ def run_evaluation(
                 "links mc and beta; knn: map (the network's features)"
             )
         results["ood"] = {}
+        tie_notes: list[str] = []
         for spec in track(cfg.ood, len(cfg.ood), "OOD sets"):
             outs = ev.outputs(load_ood(spec, test, cfg, model.preprocess), detect=True)
             if ev.bernoulli:
@@ -400,6 +431,8 @@ def run_evaluation(
                 }
                 for name, o in outs.items()
             }
+            tie_notes += _tie_notes(ood_name(spec), clean, outs, results["ood"][ood_name(spec)])
+        warnings += tie_notes
 
     if cfg.rotations:
         stage(f"rotation: {len(cfg.rotations)} angles")

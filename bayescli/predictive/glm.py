@@ -18,6 +18,7 @@ label through a sigmoid link (:mod:`bayescli.predictive.sigmoid_links`: ``none``
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +44,9 @@ __all__ = ["Prediction", "logit_gaussian", "map_probabilities", "predict", "sigm
 @dataclass
 class Prediction:
     """Probabilities ``[N, K]`` and what produced them; ``per_label`` holds a multi-label
-    posterior's per-label link output (Beta parameters, spread, mutual information ``[N, K]``)."""
+    posterior's per-label link output (Beta parameters, spread, mutual information ``[N, K]``);
+    ``log_probs [N, K]`` the softmax link's own float64 log-probabilities (exact where ``probs``
+    saturate; what the NLL and the OOD/selective scores use)."""
 
     probs: torch.Tensor
     logits: LogitGaussian | None
@@ -54,6 +57,7 @@ class Prediction:
     timings: dict = field(default_factory=dict)
     expected_entropy: torch.Tensor | None = None
     per_label: SigmoidLinkOutput | None = None
+    log_probs: torch.Tensor | None = None
 
     @property
     def logit_mean(self) -> torch.Tensor | None:
@@ -180,7 +184,10 @@ def predict(
             probs = draws.softmax(-1)
             alpha = dirichlet.dirichlet_from_samples(probs) if fit_dirichlet else None
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean(0)
-            out = LinkOutput(probs.mean(0), alpha, probs.std(0), ent)
+            # log (1/M) Σ_m softmax(z_m), exact where the mean saturates (in the draws' dtype: a
+            # float64 copy of every draw would double the memory)
+            log_probs = draws.log_softmax(-1).logsumexp(0).double() - math.log(samples)
+            out = LinkOutput(probs.mean(0), alpha, probs.std(0), ent, log_probs)
         else:
             out = apply_link(lg, link, samples, gen, correction, fit_dirichlet)
     devices.synchronize(dev)
@@ -195,4 +202,5 @@ def predict(
         timings,
         out.expected_entropy,
         per_label,
+        out.log_probs,
     )

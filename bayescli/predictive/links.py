@@ -8,6 +8,10 @@
 * ``mc``     — mean of ``softmax`` over ``M`` draws (exact square roots for diagonal and
   eigen-form covariances, Cholesky with jitter for full ones), seeded.
 * ``bridge`` — mean of the Laplace-bridge Dirichlet ``α/α₀``.
+
+Every link also gives its own log-probabilities ``[N, K]`` in float64, exact where the
+probabilities saturate (a wrong class at ``p < 1e-30``, or one that underflows to 0): the NLL,
+temperature's objective and the OOD/selective scores are computed from them.
 """
 
 from __future__ import annotations
@@ -41,28 +45,45 @@ BRIDGE_BYTES = 16 * 8
 class LinkOutput:
     """``probs [N, K]``; ``alpha [N, K]`` for the bridge (or a Dirichlet fitted to MC samples);
     for MC, ``std [N, K]`` the spread of the samples' probabilities and ``expected_entropy [N]``
-    the samples' mean entropy (so that mutual information = H[probs] − expected_entropy)."""
+    the samples' mean entropy (so that mutual information = H[probs] − expected_entropy);
+    ``log_probs [N, K]`` the link's own ``log probs`` in float64 (exact where ``probs`` saturate)."""
 
     probs: torch.Tensor
     alpha: torch.Tensor | None = None
     std: torch.Tensor | None = None
     expected_entropy: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+
+
+def probit_logits(lg: LogitGaussian) -> torch.Tensor:
+    """The probit link's scaled mean ``μ_k / √(1 + π Σ_kk / 8)`` ``[N, K]``."""
+    return (lg.var * (math.pi / 8)).add_(1).rsqrt_().mul_(lg.mean)
 
 
 def probit(lg: LogitGaussian) -> torch.Tensor:
     """Extended MacKay approximation of ``E[softmax(z)]``."""
-    scale = (lg.var * (math.pi / 8)).add_(1).rsqrt_()
-    return scale.mul_(lg.mean).softmax(-1)
+    return probit_logits(lg).softmax(-1)
 
 
 def sodpp(lg: LogitGaussian) -> torch.Tensor:
     """Second-order delta approximation of ``E[softmax(z)]`` (clipped, renormalised)."""
-    p = lg.mean.double().softmax(-1)
+    return sodpp_output(lg).probs
+
+
+def sodpp_output(lg: LogitGaussian) -> LinkOutput:
+    """Second-order delta approximation of ``E[softmax(z)]`` (clipped, renormalised).
+
+    ``log out = log_softmax(μ) + log bracket − log Σ out``, so a class at ``p < 1e-300`` keeps its
+    exact log; a clipped class (bracket ≤ 0) counts as the smallest float64."""
+    log_p = lg.mean.double().log_softmax(-1)
+    p = log_p.exp()
     sp = lg.cov_matvec(p.to(lg.mean.dtype)).double()
     var = lg.var.double()
     bracket = 1 + (p * sp).sum(-1, keepdim=True) - sp + 0.5 * var - 0.5 * (p * var).sum(-1, keepdim=True)
     out = (p * bracket).clamp_min(0)
-    return (out / out.sum(-1, keepdim=True)).to(lg.mean.dtype)
+    total = out.sum(-1, keepdim=True)
+    log_probs = log_p + bracket.clamp_min(torch.finfo(torch.float64).tiny).log() - total.log()
+    return LinkOutput((out / total).to(lg.mean.dtype), log_probs=log_probs)
 
 
 def _draws(lg: LogitGaussian, eps: torch.Tensor, sl: slice) -> torch.Tensor:
@@ -91,7 +112,7 @@ def monte_carlo(
     n, k = lg.mean.shape
     per_draw = MC_BUFFERS * lg.mean.element_size() + (MC_DIRICHLET_BYTES if fit_dirichlet else 0)
     chunk = devices.chunk_rows(lg.mean.device, samples * k, MC_CHUNK_ELEMENTS, per_draw)
-    means, stds, alphas, ents = [], [], [], []
+    means, stds, alphas, ents, logs = [], [], [], [], []
     eps = torch.empty(min(chunk, n), k, samples, dtype=lg.mean.dtype, device=lg.mean.device)
     for start in range(0, n, chunk):
         sl = slice(start, start + chunk)
@@ -101,17 +122,41 @@ def monte_carlo(
         e = torch.exp(d)
         total = e.sum(1, keepdim=True)
         probs = e.div_(total)  # [n, K, M]
+        log_total = total.log_()
         # H = log Σe − Σ_k p_k d_k: a sum of non-negative terms, so no cancellation when H is tiny
-        ents.append((total.log_().squeeze(1) - (probs * d).sum(1)).mean(-1))
+        ents.append((log_total.squeeze(1) - (probs * d).sum(1)).mean(-1))
         mean = probs.mean(-1)
         # two-pass spread; torch.std_mean over the last axis is ~10× slower here
         spread = torch.linalg.vector_norm(probs - mean.unsqueeze(-1), dim=-1)
         means.append(mean)
         stds.append(spread / math.sqrt(samples - 1) if samples > 1 else spread)
+        logs.append(_mc_log_mean(mean, d, log_total, samples))  # d is spent here
         if fit_dirichlet:
             alphas.append(dirichlet.dirichlet_from_samples(probs.permute(2, 0, 1)))
     alpha = torch.cat(alphas) if fit_dirichlet else None
-    return LinkOutput(torch.cat(means), alpha, torch.cat(stds), torch.cat(ents))
+    return LinkOutput(torch.cat(means), alpha, torch.cat(stds), torch.cat(ents), torch.cat(logs))
+
+
+# Below this mean probability the log of the float32 mean loses digits (subnormals from 1.2e-38)
+# or is log 0: those classes take the exact logsumexp of the draws' log-softmax instead.
+MC_LOG_EXACT_BELOW = 1e-30
+
+
+def _mc_log_mean(mean: torch.Tensor, d: torch.Tensor, log_total: torch.Tensor, samples: int) -> torch.Tensor:
+    """``log (1/M) Σ_m softmax(z_m)`` ``[n, K]`` in float64 from the chunk's mean ``[n, K]``,
+    shifted draws ``d [n, K, M]`` (overwritten) and ``log_total [n, 1, M]`` (``log_softmax = d − log_total``).
+
+    The log of the mean is exact to float32 rounding where the mean is normal; where it is tiny
+    (a confident input's wrong classes) the logsumexp over the samples is taken, which stays exact
+    at any margin. On a CPU it runs only for chunks that have such a class; on a GPU always (a
+    host read per chunk would stall the queue)."""
+    log_mean = mean.double().log()
+    tiny = mean < MC_LOG_EXACT_BELOW
+    if mean.device.type == "cpu" and not bool(tiny.any()):
+        return log_mean
+    # in place and in the draws' dtype: no buffer beyond those the chunk size counts
+    exact = torch.logsumexp(d.sub_(log_total), -1).double() - math.log(samples)
+    return torch.where(tiny, exact, log_mean)
 
 
 def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRECTION) -> torch.Tensor:
@@ -124,17 +169,35 @@ def bridge(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRE
     elementwise passes in cache (2× faster at K = 1000); of the device's budget over
     ``BRIDGE_BYTES`` per number on CUDA (10,000 × 1,000 inputs in one chunk on a large GPU).
     """
+    return _bridge(lg, correction)[0]
+
+
+def bridge_output(lg: LogitGaussian, correction: BridgeCorrection | str = DEFAULT_CORRECTION) -> LinkOutput:
+    """The bridge link: ``α`` (:func:`bridge`), its mean ``α/α₀`` and ``log α − log α₀`` from ``log α``
+    taken in log space where ``α`` overflows, so that ``α = ∞`` gives neither NaN nor ``log 0``."""
+    alpha, log_alpha = _bridge(lg, correction, with_log=True)
+    log_probs = log_alpha - log_alpha.logsumexp(-1, keepdim=True)
+    return LinkOutput(log_probs.exp().to(lg.mean.dtype), alpha, log_probs=log_probs)
+
+
+def _bridge(
+    lg: LogitGaussian, correction: BridgeCorrection | str, with_log: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(α [N, K], log α [N, K] or None)`` chunk by chunk (:func:`bridge`)."""
     if lg.alpha is not None:
-        return lg.alpha
+        return lg.alpha, lg.alpha.double().log() if with_log else None
     rowsum = lg.rowsum()
     rows = devices.chunk_rows(lg.mean.device, lg.num_classes, BRIDGE_CHUNK_ELEMENTS, BRIDGE_BYTES)
-    parts = []
+    parts, logs = [], []
     for start in range(0, len(lg), rows):
         sl = slice(start, start + rows)
-        parts.append(
-            dirichlet.bridge_alpha(*dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction))
-        )
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        mu, var = dirichlet.correct(lg.mean[sl], lg.var[sl], rowsum[sl], correction)
+        parts.append(dirichlet.bridge_alpha(mu, var))
+        if with_log:
+            logs.append(dirichlet.bridge_log_alpha(mu, var, parts[-1]))
+    if len(parts) == 1:
+        return parts[0], logs[0] if with_log else None
+    return torch.cat(parts), torch.cat(logs) if with_log else None
 
 
 def apply_link(
@@ -148,11 +211,12 @@ def apply_link(
     """Probabilities (and, where the link gives one, a Dirichlet) for each input."""
     link = Link(link)
     if link is Link.NONE:
-        return LinkOutput(lg.mean.softmax(-1))
+        return LinkOutput(lg.mean.softmax(-1), log_probs=lg.mean.double().log_softmax(-1))
     if link is Link.PROBIT:
-        return LinkOutput(probit(lg))
+        scaled = probit_logits(lg)
+        return LinkOutput(scaled.softmax(-1), log_probs=scaled.double().log_softmax(-1))
     if link is Link.SODPP:
-        return LinkOutput(sodpp(lg))
+        return sodpp_output(lg)
     if link is Link.MC:
         gen = generator if generator is not None else devices.generator(lg.mean.device, 0)
         return monte_carlo(lg, samples, gen, fit_dirichlet)
@@ -161,5 +225,4 @@ def apply_link(
             "link 'beta' (a Beta per label) is for multi-label posteriors; a softmax posterior's "
             "Dirichlet link is 'bridge'"
         )
-    alpha = bridge(lg, correction)
-    return LinkOutput(dirichlet.mean(alpha).to(lg.mean.dtype), alpha)
+    return bridge_output(lg, correction)
