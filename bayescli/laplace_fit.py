@@ -260,6 +260,7 @@ def select_prior(
         labels,
         s.select_by,
         map_probs=map_probabilities(val.logits, post.likelihood),
+        map_logits=val.logits,
         principled=marglik,
         map_side="high",
     )

@@ -354,31 +354,49 @@ def near_zero_variance_warning(
     mean_alpha0: float,
     mean_mi: float | None,
     prior_precision: float | None = None,
-    validated: bool = False,
+    chose_map: bool | None = None,
+    chosen: str | None = None,
+    saturated: float | None = None,
 ) -> str | None:
     """A warning when a bridge method's mean Dirichlet precision ``α₀`` is astronomically large
     (> 1e8, or not finite) or its mean mutual information vanishes (< 1e-6), else ``None``.
 
-    Such a posterior's logit variances are ≈ 0 (a very large prior precision δ, or a point mass
-    such as temperature scaling): its predictive is the MAP network's, and ``α₀``, MI and the
-    epistemic scores carry no information. ``validated``: held-out selection chose it (MAP was best
-    there), so the advice is not to refit.
+    Either the posterior's logit variances are ≈ 0 (a very large prior precision δ, or a point
+    mass such as temperature scaling): its predictive is the MAP network's, and ``α₀``, MI and the
+    epistemic scores carry no information; or the net's logit margins dwarf a real variance on
+    confident inputs, whose Dirichlets are then point masses. The selection record tells them
+    apart, not the size of ``α₀``: ``chose_map`` is ``True`` where held-out selection chose MAP
+    (its grid's MAP end or fallback; no advice to refit), ``False`` where it chose ``chosen`` (e.g.
+    ``"prior_precision = 25.9"``) inside its grid, ``None`` where the setting was not validated.
+    ``saturated``: the share of inputs with ``α₀`` > 1e8, named when given.
     """
     big = not math.isfinite(mean_alpha0) or mean_alpha0 > ALPHA0_DEGENERATE
     flat = mean_mi is not None and mean_mi < MI_DEGENERATE
     if not (big or flat):
         return None
     mi = "" if mean_mi is None else f", mean mutual information {mean_mi:.3g}"
-    if validated:
-        cause = "held-out selection chose the MAP limit (no setting beat MAP on validation data)"
-        advice = "rank it by its probabilities, not by those scores"
-    elif prior_precision is not None:
-        cause = f"the prior precision is very large (δ = {prior_precision:.3g})"
+    share = "" if saturated is None else f" (α₀ > {ALPHA0_DEGENERATE:.0e} on {saturated:.1%} of the inputs)"
+    head = f"{method}: mean α₀ {mean_alpha0:.3g}{mi}{share}"
+    if chose_map is False:
+        what = f" ({chosen})" if chosen else ""
+        return (
+            f"{head}: the Dirichlet is a point mass where the net's logit margins dwarf the posterior's "
+            f"logit variance; held-out selection chose a value{what} short of the MAP limit, so the "
+            "posterior keeps its variance: α₀ and MI rank only the less confident inputs"
+        )
+    if chose_map:
+        return (
+            f"{head}: held-out selection chose the MAP limit (no setting beat MAP on validation data), "
+            "so the posterior is the MAP point; its uncertainty scores (α₀, MI) say nothing (rank it by "
+            "its probabilities, not by those scores)"
+        )
+    if prior_precision is not None:
+        cause = f" at δ = {prior_precision:.3g}, not chosen on held-out data"
         advice = "refit with a smaller prior precision, or choose it on validation data"
     else:
-        cause = "the posterior is a point mass"
+        cause = ": the posterior is (nearly) a point mass"
         advice = "use a posterior with logit variance for epistemic scores"
     return (
-        f"{method}: mean α₀ {mean_alpha0:.3g}{mi}: the posterior's logit variance is near zero and "
-        f"{cause}, so it is the MAP point; its uncertainty scores (α₀, MI) say nothing ({advice})"
+        f"{head}: the posterior's logit variance is near zero next to the net's logit margins{cause}; "
+        f"its uncertainty scores (α₀, MI) say little ({advice})"
     )

@@ -12,8 +12,11 @@ Protocol (the multi-label counterpart of :mod:`bayescli.metrics`):
   ``zero_division=0``);
 * Hamming loss is the fraction of wrong cells; subset accuracy the fraction of inputs whose
   whole predicted label vector is right;
-* per-label NLL is the binary cross-entropy ``−mean_n log p(y_nk)`` with ``p(1) = p``,
-  ``p(0) = 1 − p`` clamped at 1e-12 (as :func:`bayescli.metrics.nll`); per-label Brier is
+* per-label NLL is the binary cross-entropy ``−mean_n log p(y_nk)``: from the log-odds ``s``
+  where the link has them (MAP's logits, the ``none`` and ``probit`` links' scaled means), as
+  ``log σ(s)`` and ``log σ(−s)`` in float64, exact at any margin; else from ``p(1) = p``,
+  ``p(0) = 1 − p`` in float64, a 0 counting as the smallest positive float64 (as
+  :func:`bayescli.metrics.log_probabilities`); per-label Brier is
   ``mean_n (p_nk − y_nk)²`` (range [0, 1]);
 * per-label ECE is the binary reliability error of the *positive-value* probability: 15
   equal-width bins of ``p_k``, right-closed ``(lo, hi]`` with 0 in the first bin,
@@ -38,15 +41,15 @@ import math
 import torch
 
 from bayescli.errors import BayescliError
-from bayescli.metrics import ECE_BINS, _average_precision, _threshold_counts
+from bayescli.metrics import ECE_BINS, PROB_TINY, _average_precision, _threshold_counts
 
 THRESHOLD = 0.5
-PROB_FLOOR = 1e-12  # as bayescli.metrics.nll
+PROB_FLOOR = 1e-12  # the floor of the log-odds OOD score (bayescli.evaluation.multilabel), not the NLL's
 PROTOCOL = {
     "threshold": "label present when p >= 0.5",
     "map": "mean over labels with a positive of step-wise average precision",
     "f1": "micro over all cells; macro mean over labels, 0 when a label has no true nor predicted positive",
-    "nll": "per-label binary cross-entropy, p clamped at 1e-12, mean over labels",
+    "nll": "per-label binary cross-entropy from log-sigmoid of the log-odds where known, mean over labels",
     "brier": "per-label mean (p - y)^2, mean over labels",
     "ece": "per label 15 equal-width right-closed bins of p vs frequency of y = 1, mean over labels",
     "selective_confidence": "mean over labels of max(p, 1 - p)",
@@ -133,11 +136,16 @@ def subset_accuracy(probs: torch.Tensor, y: torch.Tensor, threshold: float = THR
     return (_predict(probs, threshold) == _truth(probs, y)).all(-1).double().mean().item()
 
 
-def per_label_nll(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy ``−mean_n log p(y_nk)`` of each label ``[K]`` (nats)."""
+def per_label_nll(probs: torch.Tensor, y: torch.Tensor, log_odds: torch.Tensor | None = None) -> torch.Tensor:
+    """Binary cross-entropy ``−mean_n log p(y_nk)`` of each label ``[K]`` (nats): from
+    ``log_odds [N, K]`` (``p = σ(s)``) when given, exact where ``p`` rounds to 0 or 1; else from
+    ``probs [N, K]``."""
+    truth = _truth(probs, y)
+    if log_odds is not None:
+        s = log_odds.to(probs.device).double()
+        return -torch.nn.functional.logsigmoid(torch.where(truth, s, -s)).mean(0)
     p = probs.double()
-    observed = torch.where(_truth(probs, y), p, 1 - p).clamp_min(PROB_FLOOR)
-    return -observed.log().mean(0)
+    return -torch.where(truth, p, 1 - p).clamp_min(PROB_TINY).log().mean(0)
 
 
 def per_label_brier(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -163,17 +171,20 @@ def binary_entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log() + q * q.clamp_min(1e-30).log())
 
 
-def multilabel_summary(probs: torch.Tensor, y: torch.Tensor, threshold: float = THRESHOLD) -> dict:
+def multilabel_summary(
+    probs: torch.Tensor, y: torch.Tensor, threshold: float = THRESHOLD, log_odds: torch.Tensor | None = None
+) -> dict:
     """The scalars ``map``, ``micro_f1``, ``macro_f1``, ``hamming_loss``, ``subset_accuracy``,
     ``nll``, ``brier``, ``ece`` (means over labels) and ``mean_entropy`` (mean over cells), with
     ``per_label`` lists ``positives``, ``average_precision`` (``None`` without positives),
-    ``f1``, ``nll``, ``brier`` and ``ece``."""
+    ``f1``, ``nll``, ``brier`` and ``ece``; the NLL from ``log_odds [N, K]`` when given
+    (:func:`per_label_nll`)."""
     check_multilabel(probs, y)
     ap = per_label_average_precision(probs, y)
     per_label = {
         "positives": y.to(probs.device).long().sum(0),
         "f1": per_label_f1(probs, y, threshold),
-        "nll": per_label_nll(probs, y),
+        "nll": per_label_nll(probs, y, log_odds),
         "brier": per_label_brier(probs, y),
         "ece": per_label_ece(probs, y),
     }

@@ -668,7 +668,7 @@ def test_a_near_zero_variance_bridge_posterior_is_explained():
     from bayescli.metrics import near_zero_variance_warning
 
     line = near_zero_variance_warning("glm-bridge", 3.1e15, 0.0, 1e8)
-    assert "logit variance is near zero" in line and "δ = 1e+08" in line and "MAP" in line
+    assert "logit variance is near zero" in line and "δ = 1e+08" in line and "not chosen on held-out" in line
     assert near_zero_variance_warning("glm-bridge", 50.0, 1e-7) is not None  # MI alone vanishes
     assert near_zero_variance_warning("glm-bridge", float("inf"), None) is not None
     assert near_zero_variance_warning("glm-bridge", 50.0, 0.05, 1.0) is None
@@ -689,8 +689,9 @@ def test_a_near_zero_variance_bridge_posterior_is_explained():
     assert "refit with a smaller prior precision" in lines[0]
     assert degenerate_posteriors(methods, outs(40.0, 0.02), post) == []
     # chosen on validation data: the MAP limit was the best there, so no advice to refit
-    post["post"].meta["selection"] = {"validated": True}
+    post["post"].meta["selection"] = {"validated": True, "map_point": True}
     (line,) = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
     assert "held-out selection chose the MAP limit" in line and "refit" not in line
+    assert "MAP point" in line and "on 100.0% of the inputs" in line
     point = near_zero_variance_warning("glm-bridge", 1e46, 1e-15)
     assert "point mass" in point

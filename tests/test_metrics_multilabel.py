@@ -109,11 +109,34 @@ def _binary_ece_loop(p: np.ndarray, y: np.ndarray, bins: int) -> float:
     return total
 
 
-def test_nll_clamps_like_the_single_label_nll():
+def test_nll_counts_an_underflowed_probability_like_the_single_label_nll():
+    """A probability that is exactly 0 counts as the smallest positive float64 (708 nats), not 1e-12."""
     probs = torch.tensor([[0.0, 1.0], [0.5, 0.5]], dtype=torch.float64)
     labels = torch.tensor([[1, 0], [1, 1]])
-    expected = (-math.log(1e-12) - math.log(0.5)) / 2
-    assert_close(mm.per_label_nll(probs, labels), [expected, expected], rtol=F64, what="clamped NLL")
+    expected = (-math.log(torch.finfo(torch.float64).tiny) - math.log(0.5)) / 2
+    assert_close(mm.per_label_nll(probs, labels), [expected, expected], rtol=F64, what="floored NLL")
+
+
+def test_nll_from_log_odds_is_exact_where_p_is_below_1e30():
+    """Issue 37 part 1(b): labels whose probability is < 1e-30 (log-odds ±80, ±200, ±1000: float32
+    and float64 sigmoids round to 0 or 1) score their analytic −log σ(±s) = log(1 + e^{∓s})."""
+    s = torch.tensor([[80.0, -200.0], [-1000.0, 3.0], [0.0, 80.0]])
+    labels = torch.tensor([[0, 1], [1, 1], [1, 0]])
+    probs = s.sigmoid()  # float32: 1.0 or 0.0 at every saturated cell
+    assert probs[0, 0] == 1 and probs[0, 1] == 0
+
+    def neg_log_sigmoid(x: float) -> float:  # log(1 + e^{-x}), by hand
+        return -x + math.log1p(math.exp(x)) if x < 0 else math.log1p(math.exp(-x))
+
+    sign = labels.double() * 2 - 1
+    cells = [[neg_log_sigmoid(float(sign[i, j] * s[i, j])) for j in range(2)] for i in range(3)]
+    expected = [sum(row[j] for row in cells) / 3 for j in range(2)]
+    assert expected[0] > 360 and expected[1] > 93  # 80 + 1000 + log 2 nats; 200 + 80 + …
+    assert_close(mm.per_label_nll(probs, labels, s), expected, rtol=F64, what="log-odds NLL")
+    summary = mm.multilabel_summary(probs, labels, log_odds=s)
+    assert_close(summary["nll"], sum(expected) / 2, rtol=F64, what="summary NLL")
+    # without the log-odds the float32 probabilities hit 0: 708 nats (the floor), not the truth
+    assert (mm.per_label_nll(probs, labels) - torch.tensor(expected, dtype=torch.float64)).abs().min() > 10
 
 
 def test_summary_collects_the_metrics():

@@ -191,3 +191,151 @@ def test_image_folders_warn_on_upsampling_only(tmp_path):
         load_data(f"imagefolder:{tmp_path / '16'}", preprocess=pre)
     with _no_warning(ResizeWarning):  # photos larger than the model's input are the usual case
         load_data(f"imagefolder:{tmp_path / '1024'}", preprocess=pre)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 37 part 3: "already calibrated" / "underconfident" / "MAP point" only where the evidence is
+# ---------------------------------------------------------------------------------------------
+
+
+def _sampled(scale: float, n: int = 20000, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[n, k]`` and labels ``[n]`` drawn from ``softmax(logits)``, returned as the net's
+    logits times ``scale``: calibrated at 1 (T = 1), underconfident below (T = scale), over above."""
+    gen = torch.Generator().manual_seed(0)
+    z = 2.0 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+    y = torch.multinomial(z.softmax(-1), 1, generator=gen).squeeze(1)
+    return z * scale, y
+
+
+def _numpy_temperature(z: torch.Tensor, y: torch.Tensor) -> float:
+    """The NLL-minimising T by NumPy grids over log β = −log T (an oracle independent of scipy's
+    bounded Brent): spacing 1e-2 over [−3, 3], then 1e-4 around the best point."""
+    from scipy.special import logsumexp
+
+    zz, yy = z.numpy(), y.numpy()
+    picked = zz[np.arange(len(yy)), yy]
+
+    def best(logb: np.ndarray) -> float:
+        nll = [np.mean(logsumexp(zz * np.exp(v), axis=1) - picked * np.exp(v)) for v in logb]
+        return float(logb[int(np.argmin(nll))])
+
+    coarse = best(np.arange(-3.0, 3.0, 1e-2))
+    return float(np.exp(-best(np.arange(coarse - 1e-2, coarse + 1e-2, 1e-4))))
+
+
+def _flat_selection(z: torch.Tensor, y: torch.Tensor, with_logits: bool = True):
+    """select_on_grid where every candidate's predictive is MAP's: the MAP end wins the tie."""
+    from bayescli.posterior.selection import select_on_grid
+
+    probs = z.softmax(-1)
+    return select_on_grid(
+        "prior_precision",
+        [1.0, 10.0, 100.0],
+        lambda v: (v, probs),
+        y,
+        map_probs=probs,
+        map_logits=z if with_logits else None,
+        map_side="high",
+    )[1]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
+def test_map_end_warning_names_the_calibration_evidence(scale):
+    z, y = _sampled(scale)
+    sel = _flat_selection(z, y)
+    assert sel.map_point and "reaches the MAP limit" in sel.warning
+    # the temperature the warning quotes is the NLL's minimiser (sampling noise ≈ 1% at n = 20000;
+    # the NumPy grid's spacing 0.01%)
+    expected = _numpy_temperature(z, y)
+    assert abs(sel.map_temperature / expected - 1) < 2e-3, (sel.map_temperature, expected)
+    assert abs(expected - scale) < 0.05 * scale
+    assert sel.record()["map_temperature"] == sel.map_temperature
+    if scale == 1.0:  # T ≈ 1 and a small ECE: calibrated, and only then
+        assert sel.map_scores["ece"] <= 0.02
+        assert "already calibrated" in sel.warning and "confident" not in sel.warning
+    elif scale < 1:
+        assert f"underconfident (temperature T = {sel.map_temperature:.3g} < 1" in sel.warning
+        assert "calibrated" not in sel.warning
+    else:
+        assert "overconfident (temperature T" in sel.warning and "calibrated" not in sel.warning
+
+
+def test_map_end_warning_without_map_logits_says_nothing_of_calibration():
+    sel = _flat_selection(*_sampled(0.5), with_logits=False)
+    assert sel.map_point and "reaches the MAP limit" in sel.warning and sel.map_temperature is None
+    assert "calibrated" not in sel.warning and "confident" not in sel.warning
+    # the calibration rule alone: T ≈ 1 with a large ECE is not evidence of calibration
+    from bayescli.posterior.selection import calibration_verdict
+
+    assert calibration_verdict(1.02, 0.15, "δ") is None
+    assert "already calibrated" in calibration_verdict(1.02, 0.01, "δ")
+
+
+@pytest.fixture(scope="module")
+def underconfident_ckpt(digits_ckpt, tmp_path_factory) -> Path:
+    """The digits CNN with its head (weight and bias) scaled by 0.2: label-smoothing-like
+    underconfidence (a temperature < 1 fits its validation data)."""
+    from bayescli.io import load_tensors, save_tensors
+
+    tensors, meta = load_tensors(digits_ckpt)
+    head = [k for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2 and v.shape[0] == 10][-1]
+    for key in (head, head[: -len("weight")] + "bias"):
+        tensors[key] = tensors[key] * 0.2
+    path = tmp_path_factory.mktemp("under") / "cnn.safetensors"
+    save_tensors(path, tensors, meta)
+    return path
+
+
+def _laplace_selection(ckpt: Path) -> dict:
+    from bayescli.fitting import ModelOptions, fit_from_specs
+    from bayescli.laplace_fit import LaplaceSettings
+
+    model = ModelOptions("builtin:small-cnn", ckpt)
+    run = fit_from_specs(
+        "laplace", model, "digits:train", settings=LaplaceSettings(hessian="diag"), val="digits:val"
+    )
+    return run.posterior.meta["selection"]
+
+
+def test_laplace_on_an_underconfident_net_says_underconfident(underconfident_ckpt, digits_ckpt):
+    sel = _laplace_selection(underconfident_ckpt)
+    assert sel["validated"] and sel["map_point"], sel
+    assert sel["map_temperature"] < 0.9
+    assert "underconfident (temperature T" in sel["warning"] and "calibrated" not in sel["warning"]
+    # the net as trained: whatever selection chooses, it is not called underconfident
+    sel = _laplace_selection(digits_ckpt)
+    assert "underconfident" not in sel.get("warning", "")
+
+
+def test_evaluate_calls_a_bridge_posterior_map_only_where_selection_chose_map():
+    """Issue 37: a confident net's bridge α₀ explodes on its confident inputs although δ = 25.9 is
+    an interior optimum; only a record at the MAP end (or the MAP fallback) says "MAP point"."""
+    from types import SimpleNamespace
+
+    from bayescli.evaluation.methods import MethodOutput, expand_methods, parse_methods
+    from bayescli.evaluation.runner import degenerate_posteriors
+
+    methods = expand_methods(parse_methods("map,glm-bridge"), ["post"], False)
+    alpha0 = torch.tensor([float("inf")] * 7 + [30.0] * 3)  # 70% of inputs saturated
+    outs = {
+        "map": MethodOutput(torch.full((10, 2), 0.5), {}, {}),
+        "glm-bridge": MethodOutput(torch.full((10, 2), 0.5), {"alpha0": alpha0}, {}),
+    }
+
+    def line(selection: dict) -> str:
+        meta = {"selection": selection}
+        post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": selection["chosen"]}, meta=meta)}
+        (out,) = degenerate_posteriors(methods, outs, post)
+        return out
+
+    interior = line({"validated": True, "setting": "prior_precision", "chosen": 25.9, "map_point": False})
+    assert "MAP point" not in interior and "prior_precision = 25.9" in interior
+    assert "short of the MAP limit" in interior and "on 70.0% of the inputs" in interior
+    for record in (
+        {"validated": True, "setting": "prior_precision", "chosen": 1e9, "map_point": True},
+        {"validated": True, "setting": "prior_precision", "chosen": 1e9, "map_fallback": True},
+    ):
+        assert "chose the MAP limit" in line(record) and "MAP point" in line(record)
+    # not chosen on held-out data: no claim either way, the advice is to choose δ there
+    fixed = line({"validated": False, "setting": "prior_precision", "chosen": 25.9})
+    assert "MAP point" not in fixed and "choose it on validation data" in fixed

@@ -183,14 +183,19 @@ def predict_cmd(
     if pred.alpha is not None:
         results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
         results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
-        from bayescli.metrics import near_zero_variance_warning
+        from bayescli.metrics import ALPHA0_DEGENERATE, near_zero_variance_warning
+        from bayescli.posterior.selection import chose_map, chosen_label
 
         delta = post.summary().get("prior_precision")
+        sel = post.meta.get("selection")
         note = near_zero_variance_warning(
             method,
             results[method]["mean_alpha0"],
             results[method]["mean_mutual_information"],
             delta if isinstance(delta, int | float) and not isinstance(delta, bool) else None,
+            chose_map(sel),
+            chosen_label(sel),
+            float((extra["alpha0"].double() > ALPHA0_DEGENERATE).double().mean()),
         )
         c.warn(note)
     report = {

@@ -35,6 +35,7 @@ from bayescli.evaluation.config import EvalConfig, fidelity_runs
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
 from bayescli.features import Features, check_input_shape, extract_features
 from bayescli.metrics import (
+    ALPHA0_DEGENERATE,
     PROTOCOL,
     TIE_REPORT,
     accuracy,
@@ -49,6 +50,7 @@ from bayescli.metrics import (
 from bayescli.models import Classifier, LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
+from bayescli.posterior.selection import chose_map, chosen_label
 from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
 from bayescli.preprocess import Preprocess
 from bayescli.progress import stage, track
@@ -250,8 +252,16 @@ def degenerate_posteriors(
         post = posteriors[m.posterior]
         delta = post.summary().get("prior_precision")
         known = isinstance(delta, int | float) and not isinstance(delta, bool)
-        validated = bool((post.meta.get("selection") or {}).get("validated"))
-        line = near_zero_variance_warning(m.name, alpha0, mi, delta if known else None, validated)
+        sel = post.meta.get("selection") or {}
+        line = near_zero_variance_warning(
+            m.name,
+            alpha0,
+            mi,
+            delta if known else None,
+            chose_map(sel),
+            chosen_label(sel),
+            (scores["alpha0"].double() > ALPHA0_DEGENERATE).double().mean().item(),
+        )
         if line is not None:
             lines.append(line)
     return lines

@@ -30,10 +30,30 @@ from bayescli.metrics import brier, ece, nll
 from bayescli.metrics_multilabel import check_multilabel, per_label_brier, per_label_ece, per_label_nll
 from bayescli.options import Criterion
 
-__all__ = ["TIE", "Criterion", "Selection", "log_grid", "scores", "select_on_grid", "unvalidated"]
+__all__ = [
+    "TIE",
+    "Criterion",
+    "Selection",
+    "calibration_verdict",
+    "chose_map",
+    "chosen_label",
+    "log_grid",
+    "map_temperature",
+    "scores",
+    "select_on_grid",
+    "unvalidated",
+]
 
 # Scores within this (relative) of the best are ties; among ties the MAP end of a grid wins.
 TIE = 1e-6
+
+# Held-out evidence that MAP is calibrated: the validation NLL's temperature within this of 1 in
+# log (T in 0.905–1.105) and a validation ECE at most this. Outside the first, the temperature
+# names the cause (T < 1 underconfident, T > 1 overconfident).
+CALIBRATED_LOG_T = 0.1
+CALIBRATED_ECE = 0.02
+# Where :func:`map_temperature` searches (that of temperature scaling).
+T_BOUNDS = (0.05, 20.0)
 
 P = TypeVar("P")
 
@@ -67,6 +87,7 @@ class Selection:
     extensions: int = 0
     warning: str | None = None
     map_point: bool = False  # the choice is the grid's MAP end: the posterior is (numerically) MAP
+    map_temperature: float | None = None  # MAP's validation-NLL temperature, where it was needed
 
     def record(self) -> dict:
         out = {
@@ -82,6 +103,8 @@ class Selection:
             "extensions": self.extensions,
             "map_point": self.map_point,
         }
+        if self.map_temperature is not None:
+            out["map_temperature"] = self.map_temperature
         if self.warning:
             out["warning"] = self.warning
         return out
@@ -99,6 +122,71 @@ def unvalidated(setting: str, value: float | None, rule: str, *, fixed: bool = F
     }
 
 
+def chose_map(record: dict | None) -> bool | None:
+    """Whether a posterior's ``selection`` record says held-out selection chose MAP itself: the
+    grid's MAP end (``map_point``), or the MAP fallback (``map_fallback``; Dirichlet fVI's τ = 0
+    head); ``None`` when the setting was not chosen on held-out data."""
+    record = record or {}
+    if not record.get("validated"):
+        return None
+    limit = "map_limit" in record and record.get("chosen") == 0.0
+    return bool(record.get("map_point") or record.get("map_fallback") or limit)
+
+
+def chosen_label(record: dict | None) -> str | None:
+    """``"setting = value"`` of a ``selection`` record, where it names both."""
+    record = record or {}
+    value = record.get("chosen")
+    if not record.get("setting") or not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    return f"{record['setting']} = {value:.3g}"
+
+
+def map_temperature(
+    logits: torch.Tensor, labels: torch.Tensor, bounds: tuple[float, float] = T_BOUNDS
+) -> float:
+    """The temperature ``T`` in ``bounds`` minimising MAP's validation NLL of ``logits / T``:
+    softmax cross-entropy for ``logits [N, K]`` and class ``labels [N]``, the mean per-label
+    binary cross-entropy for multi-label ``labels [N, K]`` (float64, exact at any margin)."""
+    from scipy.optimize import minimize_scalar
+
+    z, y = logits.detach().double().cpu(), labels.cpu()
+    if y.dim() == 2:
+        y = y.double()
+
+        def objective(beta: float) -> float:
+            return torch.nn.functional.binary_cross_entropy_with_logits(z * beta, y).item()
+
+    else:
+
+        def objective(beta: float) -> float:
+            return torch.nn.functional.cross_entropy(z * beta, y).item()
+
+    lo, hi = bounds
+    res = minimize_scalar(objective, bounds=(1 / hi, 1 / lo), method="bounded", options={"xatol": 1e-6})
+    return 1 / float(res.x)
+
+
+def calibration_verdict(temperature: float, ece: float, setting: str) -> str | None:
+    """What held-out evidence says of MAP's calibration when no ``setting`` beat MAP: the net is
+    underconfident (``temperature`` < 1), overconfident (> 1), or already calibrated (``temperature``
+    ≈ 1 and a small validation ``ece``); ``None`` when the evidence says neither."""
+    if math.log(temperature) < -CALIBRATED_LOG_T:
+        return (
+            f"the net is underconfident (temperature T = {temperature:.3g} < 1 fits its validation data "
+            "better): posterior variance only spreads its predictions further; temperature scaling "
+            "sharpens them"
+        )
+    if math.log(temperature) > CALIBRATED_LOG_T:
+        return (
+            f"the net is overconfident (temperature T = {temperature:.3g} > 1 fits its validation data "
+            f"better), yet no {setting} searched improves on MAP: try temperature scaling"
+        )
+    if ece <= CALIBRATED_ECE:
+        return f"the net is already calibrated there (temperature T = {temperature:.3g}, ECE {ece:.3g})"
+    return None
+
+
 def log_grid(center: float, low: int, high: int, step: float = 10.0) -> list[float]:
     """``center · step^i`` for ``i = low … high`` (``low ≤ 0 ≤ high``)."""
     return [center * step**i for i in range(low, high + 1)]
@@ -112,6 +200,7 @@ def select_on_grid(
     criterion: Criterion | str = Criterion.NLL,
     *,
     map_probs: torch.Tensor | None = None,
+    map_logits: torch.Tensor | None = None,
     principled: float | None = None,
     map_side: str | None = None,
     extensions: int = 2,
@@ -124,7 +213,9 @@ def select_on_grid(
     MAP limit: the grid is never extended past it, and where the curve is flat to within
     :data:`TIE` of the best score the MAP end is chosen (the simpler answer; ``map_point``). A
     minimum at the other edge extends the grid by ``extend_by`` points beyond it, up to
-    ``extensions`` times; if it stays there, :attr:`Selection.warning` says so.
+    ``extensions`` times; if it stays there, :attr:`Selection.warning` says so. Where the MAP end
+    wins, MAP's ``map_logits [N, K]`` (when given) let the warning say why, from the temperature that
+    fits them (:func:`calibration_verdict`); without them it says nothing of calibration.
     """
     criterion = Criterion(criterion)
     grid = sorted(float(v) for v in grid)
@@ -183,9 +274,13 @@ def select_on_grid(
     elif at_map_edge and sel.map_scores is not None:
         sel.warning = (
             f"{setting} = {chosen:.3g} reaches the MAP limit: on this validation set the posterior "
-            f"does not improve on MAP's {criterion.value} ({sel.map_scores[criterion.value]:.4g}); "
-            "the net is already calibrated there"
+            f"does not improve on MAP's {criterion.value} ({sel.map_scores[criterion.value]:.4g})"
         )
+        if map_logits is not None:
+            sel.map_temperature = map_temperature(map_logits, labels)
+            verdict = calibration_verdict(sel.map_temperature, sel.map_scores["ece"], setting)
+            if verdict:
+                sel.warning += f"; {verdict}"
     return found[chosen][0], sel
 
 

@@ -85,8 +85,8 @@ def undefined_reason(link: str, bad: int, n: int) -> str:
     where = f"on {bad} of {n} inputs"
     if link.startswith("bridge"):
         return (
-            f"undefined {where}: logit variances ≈ 0, the Dirichlet degenerates (α₀ → ∞, its mean "
-            "is 0/0); the posterior is (numerically) the MAP point"
+            f"undefined {where}: their logit variances ≈ 0 next to the logit margins, so the "
+            "Dirichlet degenerates there (α₀ → ∞, its mean is 0/0)"
         )
     return f"undefined {where}: the link's probabilities are not finite"
 

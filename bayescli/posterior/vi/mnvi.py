@@ -251,8 +251,8 @@ def fit_features(
         def start_variance(a0: float) -> float:
             return float((pv.square() @ (weight.square() * a0).T).max())
 
-        map_probs = map_probabilities(torch.nn.functional.linear(pv, weight, bias), likelihood)
-        val = _Validation(lv, probs, map_probs, start_variance)
+        map_logits = torch.nn.functional.linear(pv, weight, bias)
+        val = _Validation(lv, probs, map_probabilities(map_logits, likelihood), start_variance, map_logits)
     post = _choose(s, n, weight.square().mean().item(), run, val)
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
@@ -304,7 +304,7 @@ def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorica
                 )
 
         map_probs = map_probabilities(vfeats.logits.to(device), likelihood)
-        val = _Validation(vfeats.labels.to(device), probs, map_probs, start_variance)
+        val = _Validation(vfeats.labels.to(device), probs, map_probs, start_variance, vfeats.logits)
     return _choose(s, len(train), mean_square(prop), run, val)
 
 
@@ -331,13 +331,15 @@ def network_probs(
 @dataclass
 class _Validation:
     """What the κ selection needs of the validation set: ``labels [M]`` (``[M, K]`` multi-label),
-    a posterior's predictive ``probs(post) → [M, K]``, MAP's ``map_probs [M, K]`` and the largest logit
-    variance at a uniform start noise ``start_variance(a0)``."""
+    a posterior's predictive ``probs(post) → [M, K]``, MAP's ``map_probs [M, K]``, the largest logit
+    variance at a uniform start noise ``start_variance(a0)`` and MAP's ``map_logits [M, K]`` (the
+    warning's calibration evidence)."""
 
     labels: torch.Tensor
     probs: Callable[[MNVIPosterior], torch.Tensor]
     map_probs: torch.Tensor
     start_variance: Callable[[float], float]
+    map_logits: torch.Tensor
 
 
 def _choose(
@@ -410,6 +412,7 @@ def _select_kl_weight(
         val.labels,
         base.select_by,
         map_probs=val.map_probs,
+        map_logits=val.map_logits,
         principled=principled,
         map_side="low",
     )

@@ -175,7 +175,7 @@ def choose_prior_precision(
             worse = (
                 f"every {SETTING} searched scores a worse validation {key} than MAP "
                 f"(best {chosen[key]:.4g} at {selection.chosen:.3g}, MAP {selection.map_scores[key]:.4g}); "
-                "the network's own predictions are better calibrated on this validation set"
+                "the network's own predictions score better on this validation set"
             )
             record["warning"] = "; ".join(w for w in (record.get("warning"), worse) if w)
     prior = {"value": selection.chosen, "method": f"val-{criterion.value}", "objective": val.objective}
