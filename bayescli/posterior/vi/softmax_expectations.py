@@ -129,7 +129,7 @@ def expectation_label(num_classes: int, samples: int) -> str:
 def mc_probs(lg: LogitGaussian, seed: int, samples: int = VAL_SAMPLES) -> torch.Tensor:
     """The Monte-Carlo predictive ``E[softmax f] [N, K]``, ``f ~ lg`` (``samples`` seeded draws)."""
     draws = lg.sample(samples, devices.generator(lg.mean.device, seed))
-    return draws.softmax(-1).mean(0)
+    return draws.transpose(1, 2).contiguous().softmax(1).mean(0).T  # classes on the middle axis: faster
 
 
 def mc_nll(lg: LogitGaussian, labels: torch.Tensor, seed: int, samples: int = VAL_SAMPLES) -> float:
