@@ -27,7 +27,7 @@ from bayescli.models import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.glm_vi import GLMVIConfig, GLMVIPosterior, fit
-from bayescli.posterior.vi.linearised_glm import GLMData, natural_gradient_vi
+from bayescli.posterior.vi.linearised_glm import GLMData, _State, natural_gradient_vi
 from bayescli.posterior.vi.softmax_expectations import softmax_expectations
 
 
@@ -289,3 +289,43 @@ def test_cli_fit_vi_glm_vi_and_predict(cli, tmp_path):
         out,
     )
     assert res.code == 2 and "covariance must be diag or full" in res.err
+
+
+@pytest.mark.parametrize("diag_only", [True, False])
+def test_monte_carlo_expectations_equal_their_draws(diag_only):
+    """K > 2: the expectations are the sample averages over exactly the seeded draws
+    ``f = mean + ε·√var`` (``ε [S, B, K]`` float32 from the generator), whatever layout the kernels
+    use. Oracle: float64 log-softmax over the last axis of the same draws; the iteration computes in
+    float32, so the tolerance is float32 rounding of O(1) terms (1e-5; measured ≤ 1e-6)."""
+    gen = torch.Generator().manual_seed(3)
+    b, k, s = 37, 7, 5
+    mean = torch.randn(b, k, generator=gen, dtype=torch.float64) * 2
+    var = torch.rand(b, k, generator=gen, dtype=torch.float64) * 3
+    y = torch.randint(0, k, (b,), generator=gen)
+    ell, resid, lam = softmax_expectations(
+        mean, var, y, s, torch.Generator().manual_seed(7), diag_only=diag_only
+    )
+    eps = torch.randn(s, b, k, generator=torch.Generator().manual_seed(7), dtype=torch.float32)
+    f = (mean.float() + eps * var.sqrt().float()).double()
+    logp = f.log_softmax(-1)
+    p = logp.exp()
+    assert_close(ell, logp[:, torch.arange(b), y].mean(0), atol=1e-5, what="E[log p_y]")
+    assert_close(resid, nn.functional.one_hot(y, k).double() - p.mean(0), atol=1e-5, what="E[y − p]")
+    second = torch.einsum("sbk,sbl->bkl", p, p) / s
+    full = torch.diag_embed(p.mean(0)) - second
+    assert_close(lam, full.diagonal(dim1=1, dim2=2) if diag_only else full, atol=1e-5, what="E[Λ]")
+
+
+def test_last_layer_logit_moments_are_the_head_products():
+    """``f_lin = W̃ φ̃`` ``[B, K]`` and (diag) ``v_nk = Σ_d φ̃_nd² Σ_kd`` from :class:`GLMData`, against
+    the direct products (float64: agreement to round-off, 1e-10)."""
+    gen = torch.Generator().manual_seed(0)
+    phi = torch.randn(11, 6, generator=gen)
+    data = GLMData(torch.zeros(11, dtype=torch.long), 4, phi=phi, bias=True)
+    mean = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    curv = torch.rand(4, 7, generator=gen, dtype=torch.float64)
+    phi_aug = torch.cat([phi.double(), torch.ones(11, 1, dtype=torch.float64)], 1)
+    state = _State.build(mean, curv, 2.0)
+    assert_close(data.logit_mean(mean, slice(0, 11)), phi_aug @ mean.T, atol=1e-10, what="logit mean")
+    var = (phi_aug.square()[:, None, :] / (curv + 2.0)).sum(-1)
+    assert_close(data.logit_cov(state, slice(0, 11)), var, atol=1e-10, what="logit variance")

@@ -131,7 +131,8 @@ class GLMData:
     def logit_mean(self, mean: torch.Tensor, sl: slice) -> torch.Tensor:
         """``f_lin(x_n, μ)`` ``[B, K]`` (in the mean's dtype)."""
         if self.last_layer:
-            return self._phi(sl, mean.dtype) @ mean.T
+            # [K, B] then transposed: the skinny GEMM is ~1.7x faster this way round (CPU)
+            return (mean @ self._phi(sl, mean.dtype).T).T
         return self.offset[sl] + self.jac[sl].double() @ mean
 
     def logit_cov(self, state: _State, sl: slice, diagonal: bool = False) -> torch.Tensor:
@@ -139,7 +140,7 @@ class GLMData:
         its diagonal only, what the Bernoulli likelihood needs) or ``[B, K, K]``."""
         if self.last_layer:
             if state.factor is None:
-                return self._phi(sl, state.variance.dtype, square=True) @ state.variance.T
+                return (state.variance @ self._phi(sl, state.variance.dtype, square=True).T).T
             phi = self._phi(sl)
             if diagonal:  # v_nk = φ̃_nᵀ Σ_kk φ̃_n: N·K·D² flops instead of N·K·D·P for J_n G
                 return (phi @ state.label_blocks(len(state.mean)) * phi).sum(-1).T
