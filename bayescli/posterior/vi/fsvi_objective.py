@@ -24,12 +24,14 @@ gradient; traces and Mahalanobis terms stay exact).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from bayescli.devices import generator
 from bayescli.errors import BayescliError
 
 JITTER = 1e-6  # relative to mean diag(K_p) (FSVI-code uses an absolute 1e-6; VI-SPEC B6.6)
@@ -164,7 +166,7 @@ def head_moments(phi: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, bias:
 def mc_probs(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
     """``E[softmax(z)]`` ``[N, K]``, ``z ~ N(mean, diag var)`` (``[N, K]`` each), by ``samples`` seeded
     draws per input — the predictive that FSVI's validation scores rate."""
-    gen = torch.Generator(device=mean.device).manual_seed(seed)
+    gen = generator(mean.device, seed)
     out = []
     # Chunks of 1024 inputs bound the [samples, chunk, K] draws in memory.
     for start in range(0, len(mean), 1024):
@@ -172,3 +174,21 @@ def mc_probs(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> 
         eps = torch.randn((samples, *mean[sl].shape), generator=gen, dtype=mean.dtype, device=mean.device)
         out.append((mean[sl] + var[sl].sqrt() * eps).softmax(-1).mean(0))
     return torch.cat(out)
+
+
+def epoch_parts(loss: torch.Tensor, nll: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """``[objective, NLL, KL]`` of a step as float64 ``[3]`` on their device: the training loops
+    sum these per epoch instead of reading three scalars back per batch."""
+    return torch.stack([loss.detach().double(), nll.detach().double(), kl.detach().double()])
+
+
+def curve_row(epoch: int, sums: torch.Tensor, began: float) -> dict:
+    """One training-curve row from an epoch's summed :func:`epoch_parts` (one host read)."""
+    objective, nll, kl = sums.tolist()
+    return {
+        "epoch": epoch + 1,
+        "objective": objective,
+        "nll": nll,
+        "kl": kl,
+        "seconds": time.perf_counter() - began,
+    }
