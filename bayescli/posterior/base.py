@@ -161,6 +161,7 @@ class Posterior(ABC):
         post = _rebuild(type(self), self.tensors(), self.metadata(), self.path, device)
         post.meta = copy.deepcopy(self.meta)
         post.model, post.fit_data, post.val_data = self.model, self.fit_data, self.val_data
+        post.path = self.path
         return post
 
     @classmethod
