@@ -29,6 +29,7 @@ from bayescli.posterior.selection import select_on_grid, unvalidated
 from bayescli.posterior.vi.fsvi import PRIOR_SCALE_GRID, VAL_SAMPLES, FSVIConfig, FSVIPosterior
 from bayescli.posterior.vi.fsvi_context import ContextSampler
 from bayescli.posterior.vi.fsvi_objective import (
+    FactorisationChecks,
     curve_row,
     epoch_parts,
     expected_nll,
@@ -72,6 +73,7 @@ class WholeNetQ:
 
     def __init__(self, clf: Classifier, prior: Classifier, logvar: dict[str, torch.Tensor], prior_var: float):
         self.clf, self.prior, self.logvar, self.prior_var = clf, prior, logvar, prior_var
+        self.checks = FactorisationChecks(next(clf.parameters()).device)
         self.params = dict(clf.net.named_parameters())
         self.bias = clf.head.bias is not None
         head = clf.head_name
@@ -101,7 +103,7 @@ class WholeNetQ:
         m_head, v_head = self.head()
         f_q = (augment(h_q) if self.bias else h_q).double()
         f_p = (augment(h_p) if self.bias else h_p).double()
-        return function_kl(f_q, f_q @ m_head.double().T, v_head, self.prior_var, f_p, m_p)
+        return function_kl(f_q, f_q @ m_head.double().T, v_head, self.prior_var, f_p, m_p, checks=self.checks)
 
     def terms(
         self,
@@ -177,6 +179,7 @@ def _train_all(
             opt.step()
             sched.step()
             sums += epoch_parts(loss, nll, kl) * len(idx) / n
+        q.checks.check()
         curve.append(curve_row(epoch, sums, began))
     clf.eval()
     var = torch.cat([logvar[name].detach().exp().reshape(-1) for name in q.params])

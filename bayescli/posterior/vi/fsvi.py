@@ -59,6 +59,7 @@ from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, un
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.fsvi_context import CONTEXT_KINDS, ContextSampler
 from bayescli.posterior.vi.fsvi_objective import (
+    FactorisationChecks,
     curve_row,
     epoch_parts,
     expected_nll,
@@ -447,6 +448,7 @@ def _fit_head(
     ctx = (augment(context) if bias else context).double()
     c = min(cfg.context_points, len(ctx))
     subsample = 0 < cfg.kl_classes < k
+    checks = FactorisationChecks(phi.device)
     curve = []
     for epoch in track(range(cfg.epochs), cfg.epochs, "fitting FSVI head"):
         # drawn on the host (the same batches on every device), moved once per epoch
@@ -462,13 +464,16 @@ def _fit_head(
             nll = expected_nll(mu_b, v_b, labels[idx], cfg.samples, noise)
             feats = ctx[torch.randperm(len(ctx), generator=gen)[:c]]
             classes = torch.randperm(k, generator=gen)[: cfg.kl_classes] if subsample else None
-            kl = function_kl(feats, feats.to(mean.dtype) @ mean.T, var, prior_var, classes=classes)
+            kl = function_kl(
+                feats, feats.to(mean.dtype) @ mean.T, var, prior_var, classes=classes, checks=checks
+            )
             loss = nll + kl.to(nll.dtype) / n
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             sums += epoch_parts(loss, nll, kl) * len(idx) / n
+        checks.check()
         curve.append(curve_row(epoch, sums, began))
     return mean.detach(), logvar.detach().exp(), curve
 
