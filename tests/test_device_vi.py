@@ -200,6 +200,17 @@ def test_train_method_on_the_device_equals_cpu(cli, tmp_path, method):
     same(ckpt_gpu["train_loss"], ckpt_cpu["train_loss"], "training loss")
     same(ckpt_gpu["train_accuracy"], ckpt_cpu["train_accuracy"], "training accuracy")
     same_tensors(tmp_path / "cuda-post.safetensors", tmp_path / "cpu-post.safetensors")
+    # the whole-network posterior's predictives (GLM and BNN) on the device: the CPU's
+    evaluate = ("evaluate", "--posterior", tmp_path / "cpu-post.safetensors", "--data", "digits:test",
+                "--limit", 30, "--samples", 4, "--methods", "map,glm-probit,bnn-mc", "--quiet")  # fmt: skip
+    for device in ("cuda", "cpu"):
+        res, _, _ = run_cli(cli, *evaluate, "--out", tmp_path / f"{device}.json", device=device)
+        assert res.code == 0, res.err
+    same(
+        _without_device(results(tmp_path / "cuda.json")),
+        _without_device(results(tmp_path / "cpu.json")),
+        "evaluate",
+    )
 
 
 # -- multi-label (bernoulli) MNVI --------------------------------------------------------------

@@ -280,7 +280,7 @@ class FSVIPosterior(Posterior):
             raise BayescliError("this FSVI posterior covers the last layer; predict from features")
         self._check_network(classifier)
         net, var = classifier.net, self.var
-        xn = classifier.normalise(x)
+        xn = classifier.normalise(x.to(var.device))  # inputs arrive from the host
         chunk = max(1, JACOBIAN_ELEMENTS // (classifier.num_classes * var.numel()))
         means, covs = [], []
         for start in range(0, len(xn), chunk):
@@ -314,7 +314,7 @@ class FSVIPosterior(Posterior):
         from torch.func import functional_call
 
         self._check_network(classifier)
-        xn = classifier.normalise(x)
+        xn = classifier.normalise(x.to(self.mean.device))  # inputs arrive from the host
         out = []
         for theta in (t for block in draws() for t in block):
             params, offset = {}, 0
