@@ -87,7 +87,9 @@ def test_fit_vi_on_the_device_equals_cpu_and_reads_nothing_per_step(
     for key in ("selection", "curve", "history", "kl_weight", "prior_var", "prior_scale", "tau"):
         if key in meta_cpu:
             same(_untimed(meta_gpu[key]), _untimed(meta_cpu[key]), key)
-    assert reads[VI_BATCHES[0]] == reads[VI_BATCHES[1]], f"host reads {reads}: 10 vs 3 steps\n{events[32]}"
+    assert reads[VI_BATCHES[0]] == reads[VI_BATCHES[1]], (
+        f"host reads {reads}: 10 vs 3 steps per epoch\n{events[32]}"
+    )
 
 
 def _untimed(value):
@@ -99,22 +101,23 @@ def _untimed(value):
     return value
 
 
+# Without validation data (fit-vi above runs MNVI's and FSVI's selections on the device; FSVI's
+# falls back to the MAP head on this calibrated net, so here its fitted head is checked).
 @pytest.mark.parametrize(
-    ("method", "settings", "val"),
+    ("method", "settings"),
     [
-        ("mnvi", {"epochs": 1, "subset": "all", "variant": "mean-and-noise"}, False),
-        ("fsvi", {"epochs": 1, "context_points": 8}, True),  # its prior-scale selection too
-        ("dirichlet-fvi", {"epochs": 1, "family": "mfvi"}, False),
+        ("mnvi", {"epochs": 1, "subset": "all", "variant": "mean-and-noise"}),
+        ("fsvi", {"epochs": 1, "context_points": 8}),
+        ("dirichlet-fvi", {"epochs": 1, "family": "mfvi"}),
     ],
 )
-def test_api_fit_on_the_device_returns_device_tensors(digits_ckpt, method, settings, val):
+def test_api_fit_on_the_device_returns_device_tensors(digits_ckpt, method, settings):
     loaded = ModelOptions("builtin:small-cnn", digits_ckpt).load()
     fit = load_data("digits:train", limit=64, seed=0)
-    held_out = load_data("digits:val", limit=64, seed=0) if val else None
     with emulated_cuda():
-        post = bayescli.fit(loaded, fit, method, val=held_out, device="cuda", **settings)
+        post = bayescli.fit(loaded, fit, method, device="cuda", **settings)
         devices = {name: t.device for name, t in post.tensors().items()}
-    ref = bayescli.fit(loaded, fit, method, val=held_out, device="cpu", **settings)
+    ref = bayescli.fit(loaded, fit, method, device="cpu", **settings)
     assert devices and all(d.type == "cuda" for d in devices.values()), devices
     for name, t in ref.tensors().items():
         got = post.tensors()[name]
