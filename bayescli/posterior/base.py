@@ -16,6 +16,7 @@ stays light); adding a method is one entry there.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -146,6 +147,24 @@ class Posterior(ABC):
         """Write tensors and metadata to ``.safetensors`` (atomically)."""
         save_tensors(path, self.tensors(), self.metadata())
 
+    def to(self, device: torch.device | str) -> Posterior:
+        """This posterior with every tensor on ``device``: the one place that moves a posterior.
+
+        ``self`` when every tensor is already there (as ``Tensor.to``); otherwise the posterior
+        rebuilt from its moved :meth:`tensors` and :meth:`metadata` by :meth:`from_file`, the
+        path :func:`load_posterior` takes, so what it derives from them (eigendecompositions,
+        Cholesky factors) is computed on ``device``. The model, fitting and validation sets, file
+        path and ``meta`` are kept.
+        """
+        device = torch.device(device)
+        if all(_on(t, device) for t in self.tensors().values()):
+            return self
+        post = _rebuild(type(self), self.tensors(), self.metadata(), self.path, device)
+        post.meta = copy.deepcopy(self.meta)
+        post.model, post.fit_data, post.val_data = self.model, self.fit_data, self.val_data
+        post.path = self.path
+        return post
+
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu") -> Posterior:
         """Read a posterior file onto ``device``; it must hold this class's method."""
@@ -217,11 +236,27 @@ def posterior_class(method: str) -> type[Posterior]:
     return getattr(importlib.import_module(module), name)
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device`` (``cuda`` without an index: any CUDA device)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _rebuild(
+    cls: type[Posterior],
+    tensors: dict[str, torch.Tensor],
+    meta: dict,
+    path: Path | None,
+    device: torch.device,
+) -> Posterior:
+    """``cls.from_file`` on ``tensors`` moved to ``device`` (:meth:`Posterior.to` and
+    :func:`load_posterior` share it)."""
+    return cls.from_file({k: v.to(device) for k, v in tensors.items()}, meta, path)
+
+
 def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:
     """Read any posterior file, dispatching on its ``method`` entry, onto ``device`` (what the
     posterior derives from its tensors — eigendecompositions, Cholesky factors — is computed there)."""
     tensors, meta = load_tensors(path)
-    tensors = {k: v.to(device) for k, v in tensors.items()}
     if meta.get("format") != FORMAT:
         raise BayescliError(f"{path} is not a bayescli posterior file; create one with fit-laplace or fit-vi")
     if meta.get("format_version", 0) > FORMAT_VERSION:
@@ -230,7 +265,7 @@ def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Post
         )
     cls = posterior_class(str(meta.get("method", "laplace")))
     try:
-        post = cls.from_file(tensors, meta, Path(path))
+        post = _rebuild(cls, tensors, meta, Path(path), torch.device(device))
     except (KeyError, ValueError) as exc:
         raise BayescliError(f"{path} is missing or has malformed entries ({exc}); refit it") from None
     post.path = Path(path)  # named in messages about the file (e.g. the model code it names)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from bayescli.data import ArrayData
 from bayescli.data.shifts import rotate
+from bayescli.devices import generator
 from bayescli.errors import require
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.options import Subset
@@ -83,6 +84,9 @@ def train(
     else:
         norm_mean, norm_std = channel_stats(train)
     pool = index_source(cfg.index_data, train, cfg.seed)
+    # an index set's inputs go to the device once: batches index them there with the device's
+    # draws, so nothing is read back per step
+    pool_x = pool.inputs(slice(None)).to(device) if pool is not None and not isinstance(pool, list) else None
     labels = train.y
 
     def train_at(tau: float) -> tuple[Classifier, DirichletFVIPosterior]:
@@ -99,7 +103,7 @@ def train(
             for name, p in clfs[0].net.named_parameters():
                 sigma = max(cfg.init_scale * float(p.detach().square().mean().sqrt()), 1e-6)
                 rho[name] = torch.full_like(p, sigma + math.log(-math.expm1(-sigma))).requires_grad_()
-        noise = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+        noise = generator(device, cfg.seed + 1)
         samples = cfg.step_samples
 
         def sample(x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +120,7 @@ def train(
             if isinstance(pool, list):
                 pts = torch.cat([rotate(x, a) for a in pool])
             else:
-                pick = torch.randint(len(pool), (len(idx),), generator=noise, device=device).cpu()
-                pts = pool.inputs(pick).to(device)
+                pts = pool_x[torch.randint(len(pool_x), (len(idx),), generator=noise, device=device)]
             return logits, sample(pts)
 
         parameters = [p for c in clfs for p in c.net.parameters()] + list(rho.values())
@@ -128,19 +131,19 @@ def train(
             c.eval()
         if cfg.family == "ensemble":
             params = {
-                f"member.{m}.{name}": v.detach().cpu()
+                f"member.{m}.{name}": v.detach()
                 for m, c in enumerate(clfs)
                 for name, v in c.net.state_dict().items()
             }
         elif cfg.family == "mfvi":
-            params = {f"std.{n}": F.softplus(r).detach().cpu() for n, r in rho.items()}
+            params = {f"std.{n}": F.softplus(r).detach() for n, r in rho.items()}
         else:
             params = {}
         post = DirichletFVIPosterior(
             cfg.family,
             Subset.ALL,
             params,
-            beta.cpu(),
+            beta,
             cfg.num_samples,
             len(train),
             tau,

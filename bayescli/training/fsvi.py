@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from bayescli.data import ArrayData
+from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
 from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.options import Subset
@@ -27,7 +28,15 @@ from bayescli.posterior.gaussian import augment
 from bayescli.posterior.selection import select_on_grid, unvalidated
 from bayescli.posterior.vi.fsvi import PRIOR_SCALE_GRID, VAL_SAMPLES, FSVIConfig, FSVIPosterior
 from bayescli.posterior.vi.fsvi_context import ContextSampler
-from bayescli.posterior.vi.fsvi_objective import expected_nll, function_kl, head_moments, mc_probs
+from bayescli.posterior.vi.fsvi_objective import (
+    FactorisationChecks,
+    curve_row,
+    epoch_parts,
+    expected_nll,
+    function_kl,
+    head_moments,
+    mc_probs,
+)
 from bayescli.progress import track
 from bayescli.training.classifier import channel_stats, checkpoint_metadata
 
@@ -64,6 +73,7 @@ class WholeNetQ:
 
     def __init__(self, clf: Classifier, prior: Classifier, logvar: dict[str, torch.Tensor], prior_var: float):
         self.clf, self.prior, self.logvar, self.prior_var = clf, prior, logvar, prior_var
+        self.checks = FactorisationChecks(next(clf.parameters()).device)
         self.params = dict(clf.net.named_parameters())
         self.bias = clf.head.bias is not None
         head = clf.head_name
@@ -93,7 +103,7 @@ class WholeNetQ:
         m_head, v_head = self.head()
         f_q = (augment(h_q) if self.bias else h_q).double()
         f_p = (augment(h_p) if self.bias else h_p).double()
-        return function_kl(f_q, f_q @ m_head.double().T, v_head, self.prior_var, f_p, m_p)
+        return function_kl(f_q, f_q @ m_head.double().T, v_head, self.prior_var, f_p, m_p, checks=self.checks)
 
     def terms(
         self,
@@ -151,13 +161,13 @@ def _train_all(
         opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps, pct_start=0.15
     )
     gen = torch.Generator().manual_seed(cfg.seed)  # batches, context draws, weight noise
-    noise = torch.Generator(device=device).manual_seed(cfg.seed)  # logit draws
+    noise = generator(device, cfg.seed)  # logit draws
     sampler = ContextSampler(cfg.context, train, gen, cfg.context_pool, cfg.seed)
     curve = []
     for epoch in track(range(cfg.epochs), cfg.epochs, f"training {spec} (FSVI)"):
         clf.train()
-        perm = torch.randperm(n, generator=gen)
-        sums = {"objective": 0.0, "nll": 0.0, "kl": 0.0}
+        perm = torch.randperm(n, generator=gen)  # host indices: the inputs live on the host
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # read once per epoch
         for start in range(0, n, cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
             xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
@@ -168,9 +178,9 @@ def _train_all(
             loss.backward()
             opt.step()
             sched.step()
-            for key, value in (("objective", loss), ("nll", nll), ("kl", kl)):
-                sums[key] += value.item() * len(idx) / n
-        curve.append({"epoch": epoch + 1, **sums, "seconds": time.perf_counter() - began})
+            sums += epoch_parts(loss, nll, kl) * len(idx) / n
+        q.checks.check()
+        curve.append(curve_row(epoch, sums, began))
     clf.eval()
     var = torch.cat([logvar[name].detach().exp().reshape(-1) for name in q.params])
     return clf, var, prior_var, curve
@@ -231,12 +241,10 @@ def train(
         "training_curve": curve,
         "selection": record,
     }
-    clf = clf.cpu()
-    post.mean, post.var = post.mean.cpu(), post.var.cpu()
     normalisation = (clf.mean.tolist(), clf.std.tolist())
     training = {"method": "fsvi", **post.hyperparameters}
     loss = [row["objective"] for row in curve]
-    meta = checkpoint_metadata(spec, clf, train, val, torch.device("cpu"), normalisation, training, loss)
+    meta = checkpoint_metadata(spec, clf, train, val, device, normalisation, training, loss)
     return clf, meta, post
 
 

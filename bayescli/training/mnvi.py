@@ -78,9 +78,9 @@ def train(
         means = {}
         for name in prop.layers:
             mod = prop.layer(name)
-            means[f"{name}.weight"] = mod.weight.detach().cpu().clone()
+            means[f"{name}.weight"] = mod.weight.detach().clone()
             if mod.bias is not None:
-                means[f"{name}.bias"] = mod.bias.detach().cpu().clone()
+                means[f"{name}.bias"] = mod.bias.detach().clone()
         post = MNVIPosterior(Subset.ALL, "mean-and-noise", rho, means, asdict(c), likelihood=likelihood)
         post.meta.update({"curve": curve, "n_data": len(train)})
         post._cache["clf"] = clf

@@ -63,6 +63,7 @@ from torch import nn
 
 from bayescli.data import Data
 from bayescli.data.shifts import SYNTHETIC_OOD, parse_angles, rotate, synthetic_ood
+from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
 from bayescli.features import Features
 from bayescli.fit_source import FitSource
@@ -307,7 +308,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
             name: value.to(device).requires_grad_()
             for name, value in init_head(cfg.family, head, cfg.members, cfg.init_scale, init_gen).items()
         }
-        noise = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+        noise = generator(device, cfg.seed + 1)
         samples = cfg.step_samples
 
         def forward(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -323,12 +324,12 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
             return logits, head_logits(cfg.family, params, pts, samples, noise, cfg.dropout)
 
         history = optimise(list(raw.values()), forward, labels, cfg, tau, beta, f"fVI head τ={tau:g}", epochs)
-        params = {name: value.detach().cpu() for name, value in head_stds(raw).items()}
+        params = {name: value.detach() for name, value in head_stds(raw).items()}
         post = DirichletFVIPosterior(
             cfg.family,
             Subset.LAST_LAYER,
             params,
-            beta.cpu(),
+            beta,
             cfg.num_samples,
             n,
             tau,
@@ -347,7 +348,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
         post = fit_at(principled)
         post.meta["selection"] = unvalidated("tau", principled, PRINCIPLED_RULE)
     else:
-        post = _select_tau(fit_at, principled, source.val_features(), head, beta.cpu(), n, cfg)
+        post = _select_tau(fit_at, principled, source.val_features(), head, beta, n, cfg)
     settings_record = cfg.record()
     post.meta |= {
         "config": settings_record,

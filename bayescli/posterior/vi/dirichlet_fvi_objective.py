@@ -131,22 +131,23 @@ def fvi_loss(
     n_data: int,
     index_logits: torch.Tensor | None = None,
     gamma: float = GAMMA,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | int]]:
     """``ℓ = mean_{b,m} −ln f⁽ᵐ⁾_{y_b} + (τ/N) Σ_{s∈S} KL_s`` for batch logits ``[M, B, K]``.
 
     ``S`` = the batch plus ``index_logits [M, S', K]``; ``N = n_data`` also caps ``z``.
-    Returns the loss and its parts (``nll``, ``kl`` = the mean ``KL_s``, ``z`` = mean precision,
-    ``minka_iterations``) for logging.
+    Returns the loss and its parts (``nll``, ``kl`` = the mean ``KL_s``, ``z`` = mean precision:
+    detached 0-dim tensors on the logits' device, so that logging reads nothing back per step;
+    ``minka_iterations``, an int) for logging.
     """
     log_p = torch.log_softmax(logits, -1)
     nll = -log_p.gather(-1, labels.expand(logits.shape[0], -1)[..., None]).mean()
-    stats = {"nll": float(nll.detach())}
+    stats: dict[str, torch.Tensor | int] = {"nll": nll.detach()}
     if tau == 0:
         return nll, stats
     points = log_p if index_logits is None else torch.cat([log_p, torch.log_softmax(index_logits, -1)], 1)
     kl, z, iterations = _kl_from_log_probs(points, beta, n_data, gamma)
     loss = nll + (tau / n_data) * kl.sum()
-    stats |= {"kl": float(kl.detach().mean()), "z": float(z.mean()), "minka_iterations": iterations}
+    stats |= {"kl": kl.detach().mean(), "z": z.mean(), "minka_iterations": iterations}
     return loss, stats
 
 
@@ -178,23 +179,28 @@ def optimise(
     history: list[dict[str, float]] = []
     for epoch in track(range(epochs), total=epochs, description=description):
         epoch_start = time.perf_counter()
+        # host indices (the same batches on every device): ``forward`` reads host inputs with
+        # them; the labels' copy moves once per epoch
         perm = torch.randperm(n, generator=gen)
-        sums: dict[str, float] = {}
+        perm_labels = perm.to(labels.device)
+        parts: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once per epoch
+        iterations = 0
         for start in range(0, n, cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
             logits, index_logits = forward(idx)
-            loss, stats = fvi_loss(
-                logits, labels[idx].to(logits.device), beta, tau, n, index_logits, cfg.smoothing
-            )
+            batch_labels = labels[perm_labels[start : start + cfg.batch_size]].to(logits.device)
+            loss, stats = fvi_loss(logits, batch_labels, beta, tau, n, index_logits, cfg.smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            stats["loss"] = float(loss.detach())
+            stats["loss"] = loss.detach()
             for key, value in stats.items():
                 if key == "minka_iterations":
-                    sums[key] = max(sums.get(key, 0), value)
+                    iterations = max(iterations, value)
                 else:
-                    sums[key] = sums.get(key, 0.0) + value * len(idx) / n
+                    parts[key] = parts.get(key, 0.0) + value.double() * len(idx) / n
+        values = iter(torch.stack(list(parts.values())).tolist())
+        sums = {key: iterations if key == "minka_iterations" else next(values) for key in stats}
         if not math.isfinite(sums["loss"]):
             raise BayescliError(f"the fVI loss became {sums['loss']} in epoch {epoch + 1}; lower lr or tau")
         history.append(sums | {"seconds": time.perf_counter() - epoch_start})

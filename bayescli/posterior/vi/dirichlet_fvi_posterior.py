@@ -312,6 +312,7 @@ class DirichletFVIPosterior(Posterior):
                     self.family, params, phi.to(params["weight"].dtype), num, generator, self.dropout
                 )
             else:
+                x = x.to(next(classifier.parameters()).device)  # inputs arrive from the host
                 members, stds = self._network_state(x.device)
                 out = network_logits(self.family, classifier, x, num, generator, self.dropout, members, stds)
         if self.family in ("ensemble", "map"):

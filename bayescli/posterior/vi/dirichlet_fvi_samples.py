@@ -58,13 +58,14 @@ def ensemble_member_logits(
 
 
 def init_head(family: str, head: nn.Linear, members: int, scale: float, gen: torch.Generator) -> dict:
-    """Trainable head parameters started from the MAP head (module docs), on the host (the seeded
-    start is then the same on every device; the caller moves them)."""
-    w = head.weight.detach().float().cpu()
-    b = head.bias.detach().float().cpu() if head.bias is not None else torch.zeros(w.shape[0])
+    """Trainable head parameters started from the MAP head (module docs), on the head's device.
+    ``gen`` is a host generator: the members' spread is drawn on the host and moved, so the seeded
+    start is the same on every device."""
+    w = head.weight.detach().float()
+    b = head.bias.detach().float() if head.bias is not None else w.new_zeros(w.shape[0])
     rms = w.square().mean().sqrt()
     if family == "ensemble":
-        noise = torch.randn(members, *w.shape, generator=gen) * (scale * rms)
+        noise = torch.randn(members, *w.shape, generator=gen).to(w.device) * (scale * rms)
         return {"weight": w + noise, "bias": b.expand(members, -1).clone()}
     params = {"weight": w[None].clone(), "bias": b[None].clone()}
     if family == "mfvi":

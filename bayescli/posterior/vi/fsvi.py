@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from bayescli.data import ArrayData, Data
+from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
 from bayescli.models import Classifier
@@ -57,7 +58,15 @@ from bayescli.posterior.laplace import head_parameters
 from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.fsvi_context import CONTEXT_KINDS, ContextSampler
-from bayescli.posterior.vi.fsvi_objective import expected_nll, function_kl, head_moments, mc_probs
+from bayescli.posterior.vi.fsvi_objective import (
+    FactorisationChecks,
+    curve_row,
+    epoch_parts,
+    expected_nll,
+    function_kl,
+    head_moments,
+    mc_probs,
+)
 from bayescli.progress import track
 
 # What 0 (unset, for prior_scale) means for these FSVIConfig fields, per mode.
@@ -271,7 +280,7 @@ class FSVIPosterior(Posterior):
             raise BayescliError("this FSVI posterior covers the last layer; predict from features")
         self._check_network(classifier)
         net, var = classifier.net, self.var
-        xn = classifier.normalise(x)
+        xn = classifier.normalise(x.to(var.device))  # inputs arrive from the host
         chunk = max(1, JACOBIAN_ELEMENTS // (classifier.num_classes * var.numel()))
         means, covs = [], []
         for start in range(0, len(xn), chunk):
@@ -296,7 +305,8 @@ class FSVIPosterior(Posterior):
         def draws() -> Iterator[torch.Tensor]:
             for m in range(0, num, chunk):
                 shape = (min(chunk, num - m), *self.mean.shape)
-                yield self.mean + std * torch.randn(shape, generator=generator, dtype=self.mean.dtype)
+                eps = torch.randn(shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device)
+                yield self.mean + std * eps
 
         if self.subset is Subset.LAST_LAYER:
             phi_aug = (augment(phi) if self.head_bias else phi).to(self.mean.dtype)
@@ -304,7 +314,7 @@ class FSVIPosterior(Posterior):
         from torch.func import functional_call
 
         self._check_network(classifier)
-        xn = classifier.normalise(x)
+        xn = classifier.normalise(x.to(self.mean.device))  # inputs arrive from the host
         out = []
         for theta in (t for block in draws() for t in block):
             params, offset = {}, 0
@@ -425,7 +435,7 @@ def _fit_head(
     n, k = len(phi), init.shape[0]
     began = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)  # batches, context draws, classes
-    noise = torch.Generator(device=phi.device).manual_seed(cfg.seed)  # logit draws
+    noise = generator(phi.device, cfg.seed)  # logit draws
     mean = init.to(phi.dtype).clone().requires_grad_(True)
     if cfg.head_var_init > 0:
         init_var = torch.full_like(mean, cfg.head_var_init * prior_var)
@@ -438,10 +448,12 @@ def _fit_head(
     ctx = (augment(context) if bias else context).double()
     c = min(cfg.context_points, len(ctx))
     subsample = 0 < cfg.kl_classes < k
+    checks = FactorisationChecks(phi.device)
     curve = []
     for epoch in track(range(cfg.epochs), cfg.epochs, "fitting FSVI head"):
-        perm = torch.randperm(n, generator=gen)
-        sums = {"objective": 0.0, "nll": 0.0, "kl": 0.0}
+        # drawn on the host (the same batches on every device), moved once per epoch
+        perm = torch.randperm(n, generator=gen).to(phi.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=phi.device)  # read once per epoch
         for start in range(0, n, cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
             var = logvar.exp()
@@ -452,15 +464,17 @@ def _fit_head(
             nll = expected_nll(mu_b, v_b, labels[idx], cfg.samples, noise)
             feats = ctx[torch.randperm(len(ctx), generator=gen)[:c]]
             classes = torch.randperm(k, generator=gen)[: cfg.kl_classes] if subsample else None
-            kl = function_kl(feats, feats.to(mean.dtype) @ mean.T, var, prior_var, classes=classes)
+            kl = function_kl(
+                feats, feats.to(mean.dtype) @ mean.T, var, prior_var, classes=classes, checks=checks
+            )
             loss = nll + kl.to(nll.dtype) / n
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
-            for key, value in (("objective", loss), ("nll", nll), ("kl", kl)):
-                sums[key] += value.item() * len(idx) / n
-        curve.append({"epoch": epoch + 1, **sums, "seconds": time.perf_counter() - began})
+            sums += epoch_parts(loss, nll, kl) * len(idx) / n
+        checks.check()
+        curve.append(curve_row(epoch, sums, began))
     return mean.detach(), logvar.detach().exp(), curve
 
 
@@ -498,9 +512,7 @@ def fit_last_layer(
 
     def fitted(c: float) -> FSVIPosterior:
         mean, var, curve = _fit_head(phi, labels, init, context, c / norm, bias, cfg)
-        post = FSVIPosterior(
-            mean.cpu(), var.cpu(), Subset.LAST_LAYER, bias, c / norm, c, cfg.hyperparameters(c)
-        )
+        post = FSVIPosterior(mean, var, Subset.LAST_LAYER, bias, c / norm, c, cfg.hyperparameters(c))
         post.meta["training_curve"] = curve
         return post
 
@@ -527,7 +539,7 @@ def fit_last_layer(
         best = min(row[cfg.select_by.value] for row in sel.curve)
         if best > sel.map_scores[cfg.select_by.value]:
             # No fitted prior scale beats MAP: return MAP itself, the end of the candidate set.
-            point = init.to(phi.dtype).cpu()
+            point = init.to(phi.dtype)
             post = FSVIPosterior(
                 point, torch.zeros_like(point), Subset.LAST_LAYER, bias, post.prior_var, post.prior_scale,
                 post.hyperparameters,

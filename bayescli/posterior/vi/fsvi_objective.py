@@ -24,12 +24,14 @@ gradient; traces and Mahalanobis terms stay exact).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from bayescli.devices import generator
 from bayescli.errors import BayescliError
 
 JITTER = 1e-6  # relative to mean diag(K_p) (FSVI-code uses an absolute 1e-6; VI-SPEC B6.6)
@@ -51,6 +53,42 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+NOT_PD = "the variational kernel on the context points is not positive definite; lower lr or head_var_init"
+SINGULAR = "the prior kernel on the context points is singular; use another context"
+
+
+class FactorisationChecks:
+    """The Cholesky failures of :func:`function_kl`'s kernels on ``device``.
+
+    On the CPU each is checked as it happens. On a GPU a check is a host read, so the failure
+    flags stay on the device and :meth:`check` reads them once (a training loop calls it once
+    per epoch): a failed step's NaNs cannot reach a result that is returned.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.defer = torch.device(device).type != "cpu"
+        self.flags: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, message: str, info: torch.Tensor) -> None:
+        """Record the ``info`` of a ``cholesky_ex`` (nonzero: failed), raising ``message`` now or later."""
+        if not self.defer:
+            if bool((info != 0).any()):
+                raise BayescliError(message)
+            return
+        self.flags.setdefault(message, []).append((info != 0).any())
+
+    def check(self) -> None:
+        """Raise the first recorded failure (one host read for all of them); forget them."""
+        if not self.flags:
+            return
+        failed = torch.stack([torch.stack(f).any() for f in self.flags.values()]).tolist()
+        messages = list(self.flags)
+        self.flags.clear()
+        for message, bad in zip(messages, failed, strict=True):
+            if bad:
+                raise BayescliError(message)
+
+
 class _GramLogDet(torch.autograd.Function):
     """``log|Φ̃ diag(s_k) Φ̃ᵀ + jI|`` for every row ``s_k`` of ``s [K, D']`` → ``[K]``.
 
@@ -61,7 +99,7 @@ class _GramLogDet(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, s, pairs, jitter, rows, cols, size):  # noqa: ANN001, ANN205 (autograd API)
+    def forward(ctx, s, pairs, jitter, rows, cols, size, checks):  # noqa: ANN001, ANN205 (autograd API)
         gram = s.new_zeros(s.shape[0], size, size)
         tri = s @ pairs.T  # [K, T]
         gram[:, rows, cols] = tri
@@ -69,11 +107,7 @@ class _GramLogDet(torch.autograd.Function):
         gram.diagonal(dim1=1, dim2=2).add_(jitter)
         with _one_thread():
             chol, info = torch.linalg.cholesky_ex(gram)
-        if bool((info != 0).any()):
-            raise BayescliError(
-                "the variational kernel on the context points is not positive definite; "
-                "lower lr or head_var_init"
-            )
+        checks.add(NOT_PD, info)
         ctx.save_for_backward(s, pairs, chol, rows, cols)
         return 2 * chol.diagonal(dim1=1, dim2=2).log().sum(1)
 
@@ -89,7 +123,7 @@ class _GramLogDet(torch.autograd.Function):
         weight = weight * grad[:, None]
         grad_s = weight @ pairs if ctx.needs_input_grad[0] else None
         grad_pairs = weight.T @ s if ctx.needs_input_grad[1] else None
-        return grad_s, grad_pairs, None, None, None, None
+        return grad_s, grad_pairs, None, None, None, None, None
 
 
 def function_kl(
@@ -101,6 +135,7 @@ def function_kl(
     mean_p: torch.Tensor | None = None,
     jitter: float = JITTER,
     classes: torch.Tensor | None = None,
+    checks: FactorisationChecks | None = None,
 ) -> torch.Tensor:
     """``Σ_k KL(N(mean_q[:,k], Φ̃_q diag(var_q[k]) Φ̃_qᵀ + jI) ‖ N(mean_p[:,k], σ_p² Φ̃_p Φ̃_pᵀ + jI))``.
 
@@ -110,8 +145,11 @@ def function_kl(
     logits (default 0), ``prior_var`` ``σ_p²``. ``j = jitter · mean diag(σ_p² Φ̃_p Φ̃_pᵀ)`` in both
     kernels. ``classes`` (indices) restricts the log-determinants of q to those classes, scaled
     by ``K / len(classes)``. The ``C × C`` algebra runs in ``feat_q``'s dtype (pass float64);
-    ``mean_q``/``var_q`` may be float32 parameters. Returns a scalar.
+    ``mean_q``/``var_q`` may be float32 parameters. ``checks`` collects the kernels' Cholesky
+    failures (default: checked at once, :class:`FactorisationChecks`). Returns a scalar.
     """
+    if checks is None:
+        checks = FactorisationChecks(torch.device("cpu"))
     c, k = mean_q.shape
     if feat_p is None and mean_p is None and c > feat_q.shape[1]:
         # More points than feature columns: both Gaussians live on range(Φ̃) (rank ≤ D'). With
@@ -124,8 +162,7 @@ def function_kl(
     jit = (jitter * kp.diagonal().mean()).detach().clamp_min(torch.finfo(kp.dtype).tiny)
     eye = torch.eye(c, dtype=kp.dtype, device=kp.device)
     chol, info = torch.linalg.cholesky_ex(kp + jit * eye)
-    if int(info) != 0:
-        raise BayescliError("the prior kernel on the context points is singular; use another context")
+    checks.add(SINGULAR, info)
     solve = torch.linalg.solve_triangular
     g = solve(chol, feat_q, upper=False).square().sum(0)  # G_d = φ̃_dᵀ K_p⁻¹ φ̃_d  [D']
     # Contractions with the [K, D'] variances run in their dtype (a sum of positive terms).
@@ -137,7 +174,7 @@ def function_kl(
     rows, cols = torch.triu_indices(c, c, device=feat_q.device)
     pairs = feat_q[rows] * feat_q[cols]  # [C(C+1)/2, D']
     var_rows = (var_q if classes is None else var_q[classes]).to(kp.dtype)
-    logdet_q = _GramLogDet.apply(var_rows, pairs, jit, rows, cols, c).sum() * (k / var_rows.shape[0])
+    logdet_q = _GramLogDet.apply(var_rows, pairs, jit, rows, cols, c, checks).sum() * (k / var_rows.shape[0])
     return 0.5 * (trace + maha - k * c + k * logdet_p - logdet_q)
 
 
@@ -164,7 +201,7 @@ def head_moments(phi: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, bias:
 def mc_probs(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
     """``E[softmax(z)]`` ``[N, K]``, ``z ~ N(mean, diag var)`` (``[N, K]`` each), by ``samples`` seeded
     draws per input — the predictive that FSVI's validation scores rate."""
-    gen = torch.Generator(device=mean.device).manual_seed(seed)
+    gen = generator(mean.device, seed)
     out = []
     # Chunks of 1024 inputs bound the [samples, chunk, K] draws in memory.
     for start in range(0, len(mean), 1024):
@@ -172,3 +209,21 @@ def mc_probs(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> 
         eps = torch.randn((samples, *mean[sl].shape), generator=gen, dtype=mean.dtype, device=mean.device)
         out.append((mean[sl] + var[sl].sqrt() * eps).softmax(-1).mean(0))
     return torch.cat(out)
+
+
+def epoch_parts(loss: torch.Tensor, nll: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """``[objective, NLL, KL]`` of a step as float64 ``[3]`` on their device: the training loops
+    sum these per epoch instead of reading three scalars back per batch."""
+    return torch.stack([loss.detach().double(), nll.detach().double(), kl.detach().double()])
+
+
+def curve_row(epoch: int, sums: torch.Tensor, began: float) -> dict:
+    """One training-curve row from an epoch's summed :func:`epoch_parts` (one host read)."""
+    objective, nll, kl = sums.tolist()
+    return {
+        "epoch": epoch + 1,
+        "objective": objective,
+        "nll": nll,
+        "kl": kl,
+        "seconds": time.perf_counter() - began,
+    }

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from bayescli.data import Data
+from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
 from bayescli.fit_source import FitSource
 from bayescli.metrics import map_probabilities
@@ -231,8 +232,7 @@ def fit_features(
     def run(c: MNVIConfig) -> MNVIPosterior:
         rho, means, curve = fit_head_once(phi, labels, weight, bias, c, likelihood)
         post = MNVIPosterior(
-            Subset.LAST_LAYER, c.variant, {k: v.cpu() for k, v in rho.items()},
-            {k: v.cpu() for k, v in means.items()}, asdict(c), likelihood=likelihood,
+            Subset.LAST_LAYER, c.variant, rho, means, asdict(c), likelihood=likelihood,
         )  # fmt: skip
         post.meta.update({"curve": curve, "n_data": n})
         return post
@@ -245,7 +245,7 @@ def fit_features(
 
         def probs(post: MNVIPosterior) -> torch.Tensor:
             lg = post.logit_gaussian(pv)
-            gen = torch.Generator(device=device).manual_seed(s.seed)
+            gen = generator(device, s.seed)
             return predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, likelihood)
 
         def start_variance(a0: float) -> float:
@@ -281,7 +281,7 @@ def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorica
             Subset.ALL,
             c.variant,
             rho,
-            {k: v.detach().cpu() for k, v in means.items()},
+            {k: v.detach() for k, v in means.items()},
             asdict(c),
             likelihood=likelihood,
         )
@@ -298,10 +298,11 @@ def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorica
         def start_variance(a0: float) -> float:
             noise = {k: torch.full((u,), a0, device=device) for k, u in prop.layers.items()}
             with torch.no_grad():
-                return max(
-                    float(prop(clf.normalise(x.to(device)), noise).variance().max())
+                peaks = [
+                    prop(clf.normalise(x.to(device)), noise).variance().max()
                     for x, _ in source.val.batches(source.batch_size)
-                )
+                ]
+            return float(torch.stack(peaks).max())  # one read, not one per batch
 
         map_probs = map_probabilities(vfeats.logits.to(device), likelihood)
         val = _Validation(vfeats.labels.to(device), probs, map_probs, start_variance, vfeats.logits)
@@ -314,7 +315,7 @@ def network_probs(
     """The MC predictive [002:(20)] of an all-layer ``post`` on ``data``'s inputs → ``[N, K]``
     (logits by moment propagation through ``clf``; one seeded generator across batches); per-label
     ``E[σ(h_k)]`` for a bernoulli ``post``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = generator(device, seed)
     parts = []
     with torch.no_grad():
         for xb, _ in data.batches(batch_size):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bayescli.data import Data
+from bayescli.devices import generator
 from bayescli.models import Classifier
 from bayescli.posterior.vi.bernoulli_expectations import expected_log_likelihood, expected_sigmoid
 from bayescli.posterior.vi.moments import MomentPropagator
@@ -104,8 +105,12 @@ def _optimiser(groups: list[dict], cfg: MNVIConfig, steps_per_epoch: int) -> tup
     return opt, sched
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    perm = torch.randperm(n, generator=generator)
+def _batches(
+    n: int, batch_size: int, generator: torch.Generator, device: torch.device | None = None
+) -> Iterator[torch.Tensor]:
+    """Index batches of a seeded permutation, drawn on the host (the same batches on every
+    device) and moved to ``device`` once per epoch."""
+    perm = torch.randperm(n, generator=generator).to(device)
     for start in range(0, n, batch_size):
         yield perm[start : start + batch_size]
 
@@ -134,6 +139,16 @@ def predictive_probs(
     return torch.cat(parts)
 
 
+def _parts(loss: torch.Tensor, nll: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """``[objective, NLL, KL]`` of a step as float64 ``[3]`` on their device (no host read)."""
+    return torch.stack([loss.detach().double(), nll.detach().double(), kl.detach().double()])
+
+
+def _curve(sums: torch.Tensor, n: int) -> list[dict]:
+    """Per-epoch means from the summed ``[epochs, 3]`` parts (one host read for the whole fit)."""
+    return [{"objective": o, "nll": m, "kl": k} for o, m, k in (sums / n).tolist()]
+
+
 def fit_head_once(
     phi: torch.Tensor,
     labels: torch.Tensor,
@@ -146,7 +161,7 @@ def fit_head_once(
     ``likelihood="bernoulli"``); returns ``(rho, means, curve)`` (``cfg`` resolved)."""
     device, n = phi.device, len(phi)
     gen = torch.Generator().manual_seed(cfg.seed)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    sample_gen = generator(device, cfg.seed)
     rho = torch.full((phi.shape[1],), cfg.rho0, dtype=phi.dtype, device=device, requires_grad=True)
     learn_means = cfg.variant == "mean-and-noise"
     w = weight.detach().clone().requires_grad_(learn_means)
@@ -160,11 +175,10 @@ def fit_head_once(
         with torch.no_grad():
             mu_all = torch.cat([F.linear(phi[i : i + 4096], w, b) for i in range(0, n, 4096)])
             w2_fixed = w.square()
-    curve = []
-    for _ in track(range(cfg.epochs), total=cfg.epochs, description="fitting MNVI head"):
-        sums = torch.zeros(3, dtype=torch.float64)
-        for idx in _batches(n, cfg.batch_size, gen):
-            idx = idx.to(device)
+    # (objective, NLL, KL) summed per epoch on the device: read once at the end, not per batch
+    sums = torch.zeros(cfg.epochs, 3, dtype=torch.float64, device=device)
+    for epoch in track(range(cfg.epochs), total=cfg.epochs, description="fitting MNVI head"):
+        for idx in _batches(n, cfg.batch_size, gen, device):
             pb, yb = phi[idx], labels[idx]
             a = F.softplus(rho)
             if learn_means:
@@ -181,13 +195,11 @@ def fit_head_once(
             opt.step()
             if sched is not None:
                 sched.step()
-            sums += torch.tensor([loss.item(), nll.item(), kl.item()], dtype=torch.float64) * len(idx)
-        objective, nll_mean, kl_total = (sums / n).tolist()
-        curve.append({"objective": objective, "nll": nll_mean, "kl": kl_total})
+            sums[epoch] += _parts(loss, nll, kl) * len(idx)
     out_means = {"weight": w.detach()}
     if b is not None:
         out_means["bias"] = b.detach()
-    return {"head": rho.detach()}, out_means, curve
+    return {"head": rho.detach()}, out_means, _curve(sums, n)
 
 
 def noisy_weights(
@@ -221,7 +233,7 @@ def fit_network_once(
     (labels ``train.y [N]``, or ``[N, K]`` for ``likelihood="bernoulli"``)."""
     n = len(train)
     gen = torch.Generator().manual_seed(cfg.seed)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    sample_gen = generator(device, cfg.seed)
     rho = {
         name: torch.full((units,), cfg.rho0, device=device, requires_grad=True)
         for name, units in prop.layers.items()
@@ -230,11 +242,10 @@ def fit_network_once(
     groups = [{"params": list(rho.values()), "lr": cfg.lr}, {"params": mean_params, "lr": cfg.mean_lr}]
     opt, sched = _optimiser(groups, cfg, math.ceil(n / cfg.batch_size))
     everything = list(rho.values()) + mean_params
-    curve = []
-    for _ in track(range(cfg.epochs), total=cfg.epochs, description="fitting MNVI network"):
+    sums = torch.zeros(cfg.epochs, 3, dtype=torch.float64, device=device)
+    for epoch in track(range(cfg.epochs), total=cfg.epochs, description="fitting MNVI network"):
         clf.train(train_mode)
-        sums = torch.zeros(3, dtype=torch.float64)
-        for idx in _batches(n, cfg.batch_size, gen):
+        for idx in _batches(n, cfg.batch_size, gen):  # host indices: the inputs live on the host
             xb, yb = train.inputs(idx).to(device), train.y[idx].to(device)
             noise = {k: F.softplus(v) for k, v in rho.items()}
             out = prop(clf.normalise(xb), noise, means)
@@ -247,11 +258,9 @@ def fit_network_once(
             opt.step()
             if sched is not None:
                 sched.step()
-            sums += torch.tensor([loss.item(), nll.item(), kl.item()], dtype=torch.float64) * len(idx)
-        objective, nll_mean, kl_total = (sums / n).tolist()
-        curve.append({"objective": objective, "nll": nll_mean, "kl": kl_total})
+            sums[epoch] += _parts(loss, nll, kl) * len(idx)
     clf.eval()
-    return {k: v.detach().cpu() for k, v in rho.items()}, curve
+    return {k: v.detach() for k, v in rho.items()}, _curve(sums, n)
 
 
 def mean_square(prop: MomentPropagator) -> float:

@@ -111,6 +111,7 @@ class MNVIPosterior(Posterior):
     def logit_gaussian_inputs(self, classifier: Classifier, x: torch.Tensor) -> LogitGaussian:
         """Logit Gaussian for pixel-space ``x [N, ...]``: exact for the last layer, moment
         propagation (an approximation, ``exact=False``) for all layers."""
+        x = x.to(next(classifier.parameters()).device)  # inputs arrive from the host
         if self.subset is Subset.LAST_LAYER:
             return self.logit_gaussian(classifier.features(x))
         xn = classifier.normalise(x)
@@ -135,6 +136,8 @@ class MNVIPosterior(Posterior):
         batch, as the family defines it), i.e. the true predictive that moment propagation
         approximates.
         """
+        if x is not None:
+            x = x.to(next(classifier.parameters()).device)  # inputs arrive from the host
         if self.subset is Subset.LAST_LAYER:
             lg = self.logit_gaussian(phi if phi is not None else classifier.features(x))
             return lg.sample(num, generator)
