@@ -115,10 +115,15 @@ def ece_by_loop(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     return total
 
 
-def expected_summary(p: np.ndarray, y: np.ndarray) -> dict:
+def expected_summary(p: np.ndarray, y: np.ndarray, s: np.ndarray | None = None) -> dict:
+    """The multi-label block of ``p [N, K]``; its NLL ``log(1 + e^{∓s})`` from the log-odds ``s``
+    when the method has them (MAP's logits, the none/probit links), else from ``p`` (floored at
+    the smallest positive float64, which these sets never reach)."""
     pred = (p >= 0.5).astype(int)
-    clipped = np.clip(np.where(y == 1, p, 1 - p), 1e-12, None)
-    nll = -np.log(clipped).mean(0)
+    if s is None:
+        nll = -np.log(np.clip(np.where(y == 1, p, 1 - p), np.finfo(np.float64).tiny, None)).mean(0)
+    else:
+        nll = np.logaddexp(0, np.where(y == 1, -s, s)).mean(0)
     brier = ((p - y) ** 2).mean(0)
     ece = np.array([ece_by_loop(p[:, k], y[:, k]) for k in range(y.shape[1])])
     ap = [skm.average_precision_score(y[:, k], p[:, k]) if y[:, k].any() else None for k in range(y.shape[1])]
@@ -163,18 +168,22 @@ def softplus(f: np.ndarray) -> np.ndarray:
     return np.logaddexp(0, f)
 
 
+def own_logit(name: str, row: dict) -> np.ndarray | None:
+    """The method's own log-odds ``[N, K]`` where its probabilities are their sigmoid."""
+    if name == "map":
+        return row["logits"].numpy()
+    if name == "glm-none":
+        return row["mean"]
+    if name == "glm-probit":
+        return row["mean"] / np.sqrt(1 + np.pi * row["var"] / 8)
+    return None
+
+
 def expected_scores(name: str, row: dict) -> dict:
     """Each multi-label OOD score (higher = in-distribution) from its definition."""
     p = row["probs"]
     entropy = -(xlogy(p, p) + xlogy(1 - p, 1 - p)).sum(1)
-    if name == "map":
-        own = row["logits"].numpy()
-    elif name == "glm-none":
-        own = row["mean"]
-    elif name == "glm-probit":
-        own = row["mean"] / np.sqrt(1 + np.pi * row["var"] / 8)
-    else:  # softplus(logit p) = −log(1 − p), 1 − p floored at 1e-12 as the protocol says
-        own = None
+    own = own_logit(name, row)  # else softplus(logit p) = −log(1 − p), 1 − p floored at 1e-12
     energy = softplus(own).sum(1) if own is not None else -np.log(np.clip(1 - p, 1e-12, None)).sum(1)
     out = {"max_sigmoid": p.max(1), "neg_total_entropy": -entropy, "joint_energy": energy}
     if row.get("mi") is not None:
@@ -218,7 +227,9 @@ def test_in_distribution_blocks_equal_scikit_learn_on_the_predict_output(setup, 
     assert names == [str(i) for i in range(10)] and list(res) == METHODS.split(",")
     y = predictions["y"]
     for name, row in predictions["test"].items():
-        expected = expected_summary(row["probs"], y) | expected_selective(row["probs"], y)
+        expected = expected_summary(row["probs"], y, own_logit(name, row)) | expected_selective(
+            row["probs"], y
+        )
         check_block(res[name], expected, names, name)
         assert set(res[name]) == set(expected)  # nothing unchecked
     # the posterior moves the probabilities: the blocks are not all MAP's
@@ -247,12 +258,15 @@ def test_shift_suites_report_per_label_metrics_of_the_shifted_inputs(setup, pred
     names = [str(i) for i in range(10)]
     assert res["rotation"]["0"]["glm-beta"]["map"] == res["in_distribution"]["glm-beta"]["map"]
     rotated = extract_features(model, test.map_inputs(partial(rotate, angle=45.0)))
-    p = torch.sigmoid(rotated.logits).double().numpy()
-    check_block(res["rotation"]["45"]["map"], expected_summary(p, y), names, "rotation 45")
+    p, s = torch.sigmoid(rotated.logits).double().numpy(), rotated.logits.double().numpy()
+    check_block(res["rotation"]["45"]["map"], expected_summary(p, y, s), names, "rotation 45")
     # the corrupted inputs as the protocol seeds them (seed·1000 + severity, per batch)
     noisy = test.map_inputs(partial(corrupt, name="gaussian_noise", severity=2), seed=2)
-    p = torch.sigmoid(extract_features(model, noisy).logits).double().numpy()
-    check_block(res["corruption"]["gaussian_noise"]["2"]["map"], expected_summary(p, y), names, "corruption")
+    z = extract_features(model, noisy).logits
+    p, s = torch.sigmoid(z).double().numpy(), z.double().numpy()
+    check_block(
+        res["corruption"]["gaussian_noise"]["2"]["map"], expected_summary(p, y, s), names, "corruption"
+    )
 
     # per batch of 256 as the runner streams them: the sign of a near-zero gradient depends on
     # the summation order, and one flipped pixel moves a probability by far more than rounding
@@ -264,9 +278,10 @@ def test_shift_suites_report_per_label_metrics_of_the_shifted_inputs(setup, pred
         (grad,) = torch.autograd.grad(loss, xb)
         attacked.append((xb + EPS * grad.sign()).clamp(0, 1).detach())
     with torch.no_grad():
-        p = torch.sigmoid(clf(torch.cat(attacked))).double().numpy()
+        z = clf(torch.cat(attacked))
+    p, s = torch.sigmoid(z).double().numpy(), z.double().numpy()
     got = res["fgsm"][str(EPS)]["map"]
-    check_block(got, expected_summary(p, y), names, "fgsm")
+    check_block(got, expected_summary(p, y, s), names, "fgsm")
     assert got["map"] < res["fgsm"]["0"]["map"]["map"] - 0.1  # the attack works
 
 

@@ -302,3 +302,27 @@ def test_tied_fraction_counts_every_member_of_a_tie():
     assert tied_fraction(torch.tensor([0.3, 0.2, 0.1])) == 0.0
     assert ood_metrics(torch.tensor([0.9, 0.8]), torch.tensor([0.1, 0.2]))["tied_fraction"] == 0.0
     assert ood_metrics(torch.ones(3), torch.ones(3))["tied_fraction"] == 1.0
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_topk_and_conformal_on_a_confident_net_raise_no_numpy_warnings(cli, confident_posterior, tmp_path):
+    """Issue 37, part 2: on a net whose Dirichlet α reach float64's range (the bridge of margins
+    in the hundreds), top-k, conformal and evaluate's conformal section finish without a raw
+    NumPy RuntimeWarning (overflow in exp, invalid value in subtract, ...) reaching the user; a
+    RuntimeWarning anywhere in-process is an error here."""
+    common = ["--posterior", confident_posterior, "--data", "digits:test", "--device", "cpu", "-q"]
+    runs = {
+        "topk": ["topk", *common, "--out", tmp_path / "topk.json"],
+        "conformal": ["conformal", *common, "--method", "glm-bridge", "--score", "aps",
+                      "--out", tmp_path / "c.json"],
+        "conformal-probit": ["conformal", *common, "--out", tmp_path / "cp.json"],
+        "evaluate": ["evaluate", *common, "--methods", "map,glm-probit,glm-bridge,glm-mc", "--samples", "20",
+                     "--conformal", "0.1", "--fidelity-inputs", "0", "--out", tmp_path / "e.json"],
+    }  # fmt: skip
+    for name, args in runs.items():
+        res = cli(*args)
+        assert res.code == 0, (name, res.err)
+        for needle in ("RuntimeWarning", "overflow", "invalid value", "divide by zero"):
+            assert needle not in res.err, (name, res.err)
+    assert json.loads((tmp_path / "topk.json").read_text())["summary"]
+    assert "conformal" in json.loads((tmp_path / "e.json").read_text())["results"]

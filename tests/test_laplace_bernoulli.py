@@ -320,3 +320,73 @@ def test_cli_likelihood_declares_a_multilabel_checkpoint_saved_elsewhere(cli, mu
     )
     line = one_error_line(cli("fit-laplace", *args, "--likelihood", "poisson", "--out", out))
     assert line == "error: unknown likelihood 'poisson'; use one of categorical, bernoulli"
+
+
+def test_per_label_nll_is_exact_through_predict_and_evaluate_on_a_confident_net(cli, multi_ckpt, tmp_path):
+    """Issue 37: the multi-label MLP with its head scaled ×60 (labels at p < 1e-30, many sigmoids
+    rounding to 0 or 1 in float32): ``predict`` and ``evaluate`` give MAP's and the none/probit
+    links' per-label NLL as ``log(1 + e^{∓s})`` of their log-odds (NumPy oracle), not capped."""
+    import numpy as np
+
+    from bayescli.data import load_data
+    from bayescli.posterior.base import load_posterior
+
+    tensors, meta = load_tensors(multi_ckpt)
+    head = [k for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2 and v.shape[0] == 10][-1]
+    for key in (head, head[: -len("weight")] + "bias"):
+        tensors[key] = tensors[key] * 60.0
+    ckpt, post = tmp_path / "confident.safetensors", tmp_path / "post.safetensors"
+    save_tensors(ckpt, tensors, meta)
+    fit = [
+        "--model",
+        "builtin:mlp",
+        "--checkpoint",
+        ckpt,
+        "--data",
+        "composed-digits:train",
+        "--device",
+        "cpu",
+    ]
+    res = cli("fit-laplace", *fit, "--hessian", "diag", "--prior-precision", "1", "--out", post, "-q")
+    assert res.code == 0, res.err
+
+    loaded = load_posterior(post)
+    test = load_data("composed-digits:test")
+    feats = extract_features(loaded.load_model(), test, 256, "cpu")
+    y = test.y.numpy()
+    probit_pred = predict(loaded, feats, link="probit")
+    own = {
+        "map": feats.logits.double().numpy(),
+        "glm-none": probit_pred.logit_mean.double().numpy(),
+        "glm-probit": (
+            probit_pred.logit_mean.double() * (1 + probit_pred.logit_var.double() * math.pi / 8).rsqrt()
+        ).numpy(),
+    }
+    expected = {k: float(np.logaddexp(0, np.where(y == 1, -s, s)).mean()) for k, s in own.items()}
+    wrong = np.where(y == 1, -own["map"], own["map"]) > 69  # p(label) < 1e-30
+    assert wrong.any()
+    # the 1e-12 cap (27.6 nats a cell) would fall far short of the truth
+    assert (
+        expected["map"]
+        > 1.5 * np.minimum(np.logaddexp(0, np.where(y == 1, -own["map"], own["map"])), 27.6).mean()
+    )
+    # float32 logits in the hundreds, float64 log-sigmoid on both sides: relative 1e-6 is ≫ rounding
+    tol = {k: 1e-6 * v for k, v in expected.items()}
+
+    for link in ("none", "probit"):
+        out = tmp_path / f"pred-{link}.json"
+        res = cli("predict", "--posterior", post, "--data", "composed-digits:test", "--link", link,
+                  "--device", "cpu", "--out", out, "-q")  # fmt: skip
+        assert res.code == 0, res.err
+        rows = json.loads(out.read_text())["results"]
+        assert abs(rows["map"]["nll"] - expected["map"]) <= tol["map"], rows["map"]
+        name = f"glm-{link}"
+        assert abs(rows[name]["nll"] - expected[name]) <= tol[name], (name, rows[name])
+
+    report = tmp_path / "eval.json"
+    res = cli("evaluate", "--posterior", post, "--data", "composed-digits:test", "--methods",
+              "map,glm-none,glm-probit", "--device", "cpu", "--out", report, "-q")  # fmt: skip
+    assert res.code == 0, res.err
+    in_dist = json.loads(report.read_text())["results"]["in_distribution"]
+    for name, value in expected.items():
+        assert abs(in_dist[name]["nll"] - value) <= tol[name], (name, in_dist[name]["nll"], value)

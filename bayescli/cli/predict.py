@@ -167,8 +167,12 @@ def predict_cmd(
     summarise = multilabel_scores if multilabel else classification_summary
     map_probs = map_probabilities(feats.logits, post.likelihood)
     method = f"{predictive.value}-{link.value}" + (" (gaussian image)" if approximation else "")
-    if multilabel:
-        results = {"map": summarise(map_probs, feats.labels), method: summarise(pred.probs, feats.labels)}
+    if multilabel:  # NLLs from the log-odds where known: MAP's logits, the none/probit links'
+        own = pred.per_label.log_odds if pred.per_label is not None else None
+        results = {
+            "map": summarise(map_probs, feats.labels, feats.logits),
+            method: summarise(pred.probs, feats.labels, own),
+        }
     else:  # NLLs from each side's own float64 log-probabilities (exact on saturated inputs)
         results = {
             "map": summarise(map_probs, feats.labels, map_log_probabilities(feats.logits)),

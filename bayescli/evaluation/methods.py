@@ -90,12 +90,15 @@ def parse_methods(text: str) -> list[Method]:
 @dataclass
 class MethodOutput:
     """Probabilities ``[N, K]``, OOD scores ``{name: [N]}``, seconds spent and the float64
-    log-probabilities ``[N, K]`` (softmax methods; the NLL and selective scores use them)."""
+    log-probabilities ``[N, K]`` (softmax methods; the NLL and selective scores use them) or
+    per-label log-odds ``[N, K]`` (multi-label methods whose probabilities are their sigmoid:
+    ``map``, ``glm-none``, ``glm-probit``; the per-label NLL uses them)."""
 
     probs: torch.Tensor
     scores: dict[str, torch.Tensor]
     seconds: dict[str, float]
     log_probs: torch.Tensor | None = None
+    log_odds: torch.Tensor | None = None
 
 
 def run_method(

@@ -25,7 +25,6 @@ Temperature scaling (``temp``) and the link-fidelity check are softmax-only here
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 
@@ -140,18 +139,21 @@ def run_multilabel_method(
         start = time.perf_counter()
         probs = torch.sigmoid(feats.logits)
         scores = ood_scores(probs, logits=feats.logits)
-        return MethodOutput(probs, scores, {"link": time.perf_counter() - start})
+        seconds = {"link": time.perf_counter() - start}
+        return MethodOutput(probs, scores, seconds, log_odds=feats.logits.double())
     pred = predict(posterior, feats, Predictive.GLM, method.link, samples, seed, classifier, data)
-    lg = pred.logits
+    per_label = pred.per_label
+    log_odds = None if per_label is None else per_label.log_odds  # none, probit: exact NLL
     if method.link is Link.NONE:
-        own = lg.mean
+        own = pred.logits.mean
     elif method.link is Link.PROBIT:
-        own = lg.mean.double() * (1 + lg.var.double().clamp_min(0) * (math.pi / 8)).rsqrt()
+        own = log_odds
     else:
         own = _logit(pred.probs)
-    mi = pred.per_label.mutual_information if pred.per_label is not None else None
+    mi = per_label.mutual_information if per_label is not None else None
     scores = ood_scores(pred.probs, logits=own, mutual_info=mi)
-    return MethodOutput(pred.probs, scores, {k: v for k, v in pred.timings.items() if k != "forward"})
+    seconds = {k: v for k, v in pred.timings.items() if k != "forward"}
+    return MethodOutput(pred.probs, scores, seconds, log_odds=log_odds)
 
 
 def _by_class(per_label: dict, names: list[str]) -> dict:
@@ -159,16 +161,22 @@ def _by_class(per_label: dict, names: list[str]) -> dict:
     return {key: dict(zip(names, values, strict=True)) for key, values in per_label.items()}
 
 
-def shift_summary(probs: torch.Tensor, y: torch.Tensor, names: list[str]) -> dict:
-    """The multi-label metrics of one method on one labelled set, per label keyed by class."""
-    out = multilabel_summary(probs, y)
+def shift_summary(
+    probs: torch.Tensor, y: torch.Tensor, names: list[str], log_odds: torch.Tensor | None = None
+) -> dict:
+    """The multi-label metrics of one method's ``probs [N, K]`` on one labelled set ``y [N, K]``,
+    per label keyed by class; the NLL from the method's ``log_odds [N, K]`` where it has them."""
+    out = multilabel_summary(probs, y, log_odds=log_odds)
     out["per_label"] = _by_class(out["per_label"], names)
     return out
 
 
 def in_distribution(outs: dict[str, MethodOutput], y: torch.Tensor, names: list[str]) -> dict:
     """Each method's in-distribution block: :func:`shift_summary` and selective prediction."""
-    return {name: {**shift_summary(o.probs, y, names), **selective(o.probs, y)} for name, o in outs.items()}
+    return {
+        name: {**shift_summary(o.probs, y, names, o.log_odds), **selective(o.probs, y)}
+        for name, o in outs.items()
+    }
 
 
 def ood_row(clean: MethodOutput, shifted: MethodOutput) -> dict:

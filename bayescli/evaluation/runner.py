@@ -154,7 +154,7 @@ class Evaluator:
         :func:`~bayescli.evaluation.multilabel.shift_summary`) on a shifted copy of the test set."""
         if self.bernoulli:
             return {
-                name: ml.shift_summary(o.probs, data.y, data.class_names)
+                name: ml.shift_summary(o.probs, data.y, data.class_names, o.log_odds)
                 for name, o in self.outputs(data).items()
             }
         return {

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from bayescli.metrics import brier, ece, nll
+from bayescli.metrics import brier, ece, map_log_probabilities, nll
 from bayescli.metrics_multilabel import check_multilabel, per_label_brier, per_label_ece, per_label_nll
 from bayescli.options import Criterion
 
@@ -59,16 +59,24 @@ P = TypeVar("P")
 
 
 def scores(
-    probs: torch.Tensor, labels: torch.Tensor, log_probs: torch.Tensor | None = None
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    log_probs: torch.Tensor | None = None,
+    log_odds: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Every criterion of ``probs [N, K]`` against ``labels [N]`` (softmax; the NLL from
     ``log_probs [N, K]`` when given, exact at any confidence), or against multi-label ``labels
-    [N, K]`` (per-label probabilities; each criterion the mean over the ``K`` labels)."""
+    [N, K]`` (per-label probabilities; each criterion the mean over the ``K`` labels, the NLL from
+    the per-label ``log_odds [N, K]`` when given, exact at any margin)."""
     probs, labels = probs.detach().double().cpu(), labels.cpu()
     if labels.dim() == 2:
         check_multilabel(probs, labels)
-        per_label = {"nll": per_label_nll, "ece": per_label_ece, "brier": per_label_brier}
-        return {name: float(fn(probs, labels).mean()) for name, fn in per_label.items()}
+        s = None if log_odds is None else log_odds.detach().cpu()
+        return {
+            "nll": float(per_label_nll(probs, labels, s).mean()),
+            "ece": float(per_label_ece(probs, labels).mean()),
+            "brier": float(per_label_brier(probs, labels).mean()),
+        }
     logp = None if log_probs is None else log_probs.detach().cpu()
     return {"nll": nll(probs, labels, logp), "ece": ece(probs, labels), "brier": brier(probs, labels)}
 
@@ -258,7 +266,7 @@ def select_on_grid(
         [{setting: v, **found[v][1]} for v in values],
         chosen,
         principled,
-        None if map_probs is None else scores(map_probs, labels),
+        None if map_probs is None else _map_scores(map_probs, map_logits, labels),
         done,
     )
     at_edge = len(values) > 1 and chosen in (values[0], values[-1])
@@ -282,6 +290,16 @@ def select_on_grid(
             if verdict:
                 sel.warning += f"; {verdict}"
     return found[chosen][0], sel
+
+
+def _map_scores(probs: torch.Tensor, logits: torch.Tensor | None, labels: torch.Tensor) -> dict[str, float]:
+    """MAP's :func:`scores` of ``probs [N, K]``, its NLL exact from ``logits [N, K]`` when given:
+    their log-softmax for class ``labels [N]``, the log-odds themselves for multi-label ``[N, K]``."""
+    if logits is None:
+        return scores(probs, labels)
+    if labels.dim() == 2:
+        return scores(probs, labels, log_odds=logits)
+    return scores(probs, labels, map_log_probabilities(logits.detach().cpu()))
 
 
 def _finite(value: float) -> float:

@@ -79,13 +79,17 @@ def per_label_fields(out: SigmoidLinkOutput) -> dict[str, torch.Tensor]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-def multilabel_scores(probs: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:
+def multilabel_scores(
+    probs: torch.Tensor, labels: torch.Tensor | None, log_odds: torch.Tensor | None = None
+) -> dict[str, float]:
     """Scalar metrics of per-label ``probs [N, K]``: with ``labels [N, K]`` those of
     :func:`~bayescli.metrics_multilabel.multilabel_summary` (means over labels; its per-label lists
-    left out), without them the mean binary entropy of the cells only."""
+    left out; the NLL from ``log_odds [N, K]`` when given), without them the mean binary entropy
+    of the cells only."""
     if labels is None:
         return {"mean_entropy": binary_entropy(probs).mean().item()}
-    return {k: v for k, v in multilabel_summary(probs, labels).items() if k != "per_label"}
+    summary = multilabel_summary(probs, labels, log_odds=log_odds)
+    return {k: v for k, v in summary.items() if k != "per_label"}
 
 
 def multilabel_rows(

@@ -65,7 +65,9 @@ class SigmoidLink(str, Enum):
 class SigmoidLinkOutput:
     """Per-label results, all ``[N, K]``: ``probs``; ``alpha``/``beta`` for the Beta link; ``std``
     (spread of the per-label probability), ``expected_entropy`` (``E[H_b(π)]``) and
-    ``mutual_information`` (``H_b(probs) − expected_entropy``) for ``mc`` and ``beta``."""
+    ``mutual_information`` (``H_b(probs) − expected_entropy``) for ``mc`` and ``beta``; float64
+    ``log_odds`` ``s`` with ``probs = sigmoid(s)`` for ``none`` and ``probit`` (a sigmoid of a scaled
+    mean: the per-label NLL from ``log sigmoid(±s)`` is exact where ``probs`` round to 0 or 1)."""
 
     probs: torch.Tensor
     alpha: torch.Tensor | None = None
@@ -73,6 +75,7 @@ class SigmoidLinkOutput:
     std: torch.Tensor | None = None
     expected_entropy: torch.Tensor | None = None
     mutual_information: torch.Tensor | None = None
+    log_odds: torch.Tensor | None = None
 
 
 def _check(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -101,6 +104,13 @@ def probit(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """MacKay's ``sigmoid(μ / √(1 + πσ²/8))`` ``[N, K]``."""
     var = _check(mean, var)
     return torch.sigmoid(mean * (1 + var * (math.pi / 8)).rsqrt())
+
+
+def probit_log_odds(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """The probit link's log-odds ``μ / √(1 + πσ²/8)`` ``[N, K]`` in float64 (:func:`probit` is
+    their sigmoid, in the input dtype)."""
+    var = _check(mean, var)
+    return mean.double() * (1 + var.double() * (math.pi / 8)).rsqrt()
 
 
 def monte_carlo(
@@ -265,9 +275,9 @@ def apply_sigmoid_link(
     link = SigmoidLink(link)
     if link is SigmoidLink.NONE:
         _check(mean, var)
-        return SigmoidLinkOutput(torch.sigmoid(mean))
+        return SigmoidLinkOutput(torch.sigmoid(mean), log_odds=mean.double())
     if link is SigmoidLink.PROBIT:
-        return SigmoidLinkOutput(probit(mean, var))
+        return SigmoidLinkOutput(probit(mean, var), log_odds=probit_log_odds(mean, var))
     if link is SigmoidLink.MC:
         return monte_carlo(mean, var, samples, devices.generator(mean.device, seed))
     return beta_link(mean, var)
