@@ -125,7 +125,11 @@ def link_fidelity(
         links["mc"] = mc.probs
     for corr in BridgeCorrection:
         name = "bridge" if corr is BridgeCorrection.ZERO_SUM else f"bridge-{corr.value}"
-        links[name] = dirichlet.mean(bridge(lg, corr))
+        alpha = bridge(lg, corr)
+        # an overflowed α has no mean to compare here (its point-mass stand-in says nothing about
+        # the link): such rows are reported undefined, with the reason
+        overflowed = ~torch.isfinite(alpha).all(-1, keepdim=True)
+        links[name] = dirichlet.mean(alpha).masked_fill(overflowed, float("nan"))
     ref = dirichlet.mean(lg.alpha.double()) if native else mc.probs
     out: dict = {}
     if native:
