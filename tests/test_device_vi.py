@@ -137,6 +137,9 @@ COMMANDS = {
         8,
         "--methods",
         "map,glm-probit,glm-bridge,bnn-mc",
+        # link fidelity's 2,000-draw MC reference is chunked by the device's budget: other draws
+        "--fidelity-inputs",
+        0,
     ),
     "topk": ("topk",),
     "conformal": ("conformal", "--method", "glm-probit", "--score", "raps"),
@@ -202,7 +205,8 @@ def test_train_method_on_the_device_equals_cpu(cli, tmp_path, method):
     same_tensors(tmp_path / "cuda-post.safetensors", tmp_path / "cpu-post.safetensors")
     # the whole-network posterior's predictives (GLM and BNN) on the device: the CPU's
     evaluate = ("evaluate", "--posterior", tmp_path / "cpu-post.safetensors", "--data", "digits:test",
-                "--limit", 30, "--samples", 4, "--methods", "map,glm-probit,bnn-mc", "--quiet")  # fmt: skip
+                "--limit", 30, "--samples", 4, "--methods", "map,glm-probit,bnn-mc", "--fidelity-inputs", 0,
+                "--quiet")  # fmt: skip
     for device in ("cuda", "cpu"):
         res, _, _ = run_cli(cli, *evaluate, "--out", tmp_path / f"{device}.json", device=device)
         assert res.code == 0, res.err
