@@ -380,6 +380,10 @@ def test_sigmoid_links_give_log_odds_where_probabilities_saturate():
     assert mc.probs[0, 0] == 1.0 and mc.probs[0, 1] == 0.0  # what 1 − p and p alone would lose
     # no variance: every draw is the mean, so the MC predictive's log-odds are the mean itself
     np.testing.assert_allclose(mc.log_odds.numpy(), mean.double().numpy(), rtol=1e-6)
+    # where nothing saturates, the MC log-odds are the logit of the MC probabilities (float64)
+    mid = torch.linspace(-4, 4, 9, dtype=torch.float64)[None]
+    out = apply_sigmoid_link(mid, torch.full_like(mid, 2.0), "mc", samples=500)
+    np.testing.assert_allclose(out.log_odds.numpy(), torch.logit(out.probs).numpy(), rtol=1e-10, atol=1e-12)
     var = torch.tensor([[0.3, 0.3, 0.3, 9.0]])
     beta = apply_sigmoid_link(mean, var, "beta")
     # the moment-matched Beta's mean is E[σ(f)]: its log-odds are the quadrature's
