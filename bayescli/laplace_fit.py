@@ -35,7 +35,7 @@ from bayescli.fit_source import FitSource
 from bayescli.models import Classifier
 from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
-from bayescli.posterior.selection import Criterion, Selection, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, Selection, select_on_grid, unvalidated
 from bayescli.predictive.glm import map_probabilities, predict
 
 __all__ = ["LaplacePosterior", "LaplaceSettings", "PriorRule", "fit", "map_limit", "select_prior"]
@@ -238,7 +238,7 @@ def select_prior(
         high = max(0, math.ceil(math.log(upper / marglik, ratio)))
         grid = [marglik * ratio**i for i in range(-DECADES_BELOW * STEPS_PER_DECADE, high + 1)]
 
-    def candidate(delta: float) -> tuple[LaplacePosterior, torch.Tensor]:
+    def candidate(delta: float) -> tuple[LaplacePosterior, Scored]:
         post.gaussian.with_delta(delta)
         pred = predict(
             post,
@@ -251,7 +251,8 @@ def select_prior(
             data=val_data,
             batch_size=batch_size,
         )
-        return post, pred.probs
+        log_odds = None if pred.per_label is None else pred.per_label.log_odds
+        return post, Scored(pred.probs, pred.log_probs, log_odds)
 
     _, sel = select_on_grid(
         "prior_precision",

@@ -16,6 +16,7 @@ from scipy.special import logsumexp
 import bayescli
 from bayescli.data import load_data
 from bayescli.features import extract_features
+from bayescli.fit_source import FitSource
 from bayescli.fitting import ModelOptions, fit_from_specs
 from bayescli.io import load_tensors, save_tensors
 from bayescli.laplace_fit import LaplaceSettings
@@ -26,8 +27,13 @@ from bayescli.posterior.base import load_posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.selection import scores
 from bayescli.posterior.temperature import fit_temperature
+from bayescli.posterior.vi.bernoulli_expectations import sigmoid_predictive
+from bayescli.posterior.vi.mnvi import MNVIConfig
+from bayescli.posterior.vi.mnvi import fit as fit_mnvi
+from bayescli.posterior.vi.softmax_expectations import log_mean_softmax
 from bayescli.predictive.dirichlet import mean as dirichlet_mean
 from bayescli.predictive.links import apply_link
+from bayescli.predictive.sigmoid_links import apply_sigmoid_link
 
 MARGIN = 80.0  # nats between the predicted class and every other: p(wrong) = e^-80 / (1 + 9 e^-80)
 
@@ -326,3 +332,99 @@ def test_topk_and_conformal_on_a_confident_net_raise_no_numpy_warnings(cli, conf
             assert needle not in res.err, (name, res.err)
     assert json.loads((tmp_path / "topk.json").read_text())["summary"]
     assert "conformal" in json.loads((tmp_path / "e.json").read_text())["results"]
+
+
+# ---------------------------------------------------------------------------------------------
+# held-out selection scores each candidate from its own log-probabilities
+# ---------------------------------------------------------------------------------------------
+
+
+def test_log_mean_softmax_is_exact_where_the_mean_underflows():
+    gen = torch.Generator().manual_seed(5)
+    draws = torch.randn(50, 30, 6, generator=gen) * 2
+    draws[:, torch.arange(30), torch.arange(30) % 6] += 200.0  # float32 softmax of the rest: 0
+    got = log_mean_softmax(draws)
+    z = draws.double().numpy()
+    oracle = logsumexp(z - logsumexp(z, axis=2, keepdims=True), axis=0) - math.log(50)
+    assert draws.softmax(-1).mean(0).min() == 0.0  # the probabilities alone have lost these
+    # float32 log-softmax values ~200, summed in float32: relative 2^-23 per term is 5e-5 nats here
+    np.testing.assert_allclose(got.numpy(), oracle, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("mu", [-300.0, -60.0, 0.7, 60.0, 300.0])
+@pytest.mark.parametrize("sigma", [0.5, 3.0])
+def test_sigmoid_predictive_log_odds_match_quadrature_at_any_margin(mu, sigma):
+    from scipy.integrate import quad
+    from scipy.special import log_expit
+
+    def log_mean(sign: float) -> float:
+        # log E[σ(±f)], f ~ N(mu, σ²): the integrand scaled by its peak so quad keeps its digits
+        def log_f(t: float) -> float:
+            return log_expit(sign * t) - 0.5 * ((t - mu) / sigma) ** 2
+
+        peak = max(log_f(t) for t in np.linspace(mu - 10 * sigma - 50, mu + 10 * sigma + 50, 4001))
+        val, _ = quad(lambda t: math.exp(log_f(t) - peak), mu - 40 * sigma - 60, mu + 40 * sigma + 60,
+                      points=[0.0, mu], limit=400, epsabs=0, epsrel=1e-12)  # fmt: skip
+        return peak + math.log(val) - math.log(sigma * math.sqrt(2 * math.pi))
+
+    mean, var = torch.tensor([[mu]], dtype=torch.float64), torch.tensor([[sigma**2]], dtype=torch.float64)
+    got = float(sigmoid_predictive(mean, var).log_odds)
+    oracle = log_mean(1.0) - log_mean(-1.0)
+    # the Laguerre rule keeps ~5 significant digits of a tail probability (module docs): 1e-4 of it
+    assert abs(got - oracle) <= 1e-4 * max(1.0, abs(oracle)), (got, oracle)
+
+
+def test_sigmoid_links_give_log_odds_where_probabilities_saturate():
+    mean = torch.tensor([[200.0, -200.0, 0.5, -300.0]])
+    mc = apply_sigmoid_link(mean, torch.zeros_like(mean), "mc", samples=8)
+    assert mc.probs[0, 0] == 1.0 and mc.probs[0, 1] == 0.0  # what 1 − p and p alone would lose
+    # no variance: every draw is the mean, so the MC predictive's log-odds are the mean itself
+    np.testing.assert_allclose(mc.log_odds.numpy(), mean.double().numpy(), rtol=1e-6)
+    # where nothing saturates, the MC log-odds are the logit of the MC probabilities (float64)
+    mid = torch.linspace(-4, 4, 9, dtype=torch.float64)[None]
+    out = apply_sigmoid_link(mid, torch.full_like(mid, 2.0), "mc", samples=500)
+    np.testing.assert_allclose(out.log_odds.numpy(), torch.logit(out.probs).numpy(), rtol=1e-10, atol=1e-12)
+    var = torch.tensor([[0.3, 0.3, 0.3, 9.0]])
+    beta = apply_sigmoid_link(mean, var, "beta")
+    # the moment-matched Beta's mean is E[σ(f)]: its log-odds are the quadrature's
+    expected = sigmoid_predictive(mean.double(), var.double()).log_odds
+    np.testing.assert_allclose(beta.log_odds.numpy(), expected.numpy(), rtol=1e-9)
+    assert beta.log_odds[0, 0] > 150 and beta.log_odds[0, 1] < -150
+    # σ = 3 at μ = −300: E[σ(f)] ≈ e^{μ + σ²/2}, far below where a float64 probability underflows
+    assert abs(beta.log_odds[0, 3].item() - (-300 + 4.5)) < 1e-6
+
+
+def test_laplace_selection_scores_each_candidate_exactly_on_a_confident_net(confident_ckpt):
+    model = load_classifier("builtin:small-cnn", confident_ckpt)
+    post = bayescli.fit(model, "digits:train", "laplace", val="digits:val",
+                        settings=LaplaceSettings(hessian="diag"))  # fmt: skip
+    sel = post.meta["selection"]
+    assert sel["validated"] and "probit" in post.meta["prior"]["objective"]
+    val = load_data("digits:val")
+    phi = extract_features(model, val).phi
+    y = val.y.numpy()
+    gaps = []
+    for row in sel["curve"]:
+        # the oracle: the GLM probit predictive's log-softmax in float64 NumPy at this δ
+        post.gaussian.with_delta(row["prior_precision"])
+        lg = post.logit_gaussian(phi)
+        z = (lg.mean.double() / torch.sqrt(1 + math.pi / 8 * lg.var.double())).numpy()
+        logp = z - logsumexp(z, axis=1, keepdims=True)
+        exact = float(-logp[np.arange(len(y)), y].mean())
+        gaps.append(abs(row["nll"] - exact) / exact)
+    # float32 logit moments in the hundreds through one float64 log-softmax: 1e-6 relative is > 100×
+    assert max(gaps) <= 1e-6, gaps
+    assert abs(sel["map_validation"]["nll"] - _oracle_nll(confident_ckpt, "digits:val")[0]) <= 1e-6 * 5
+
+
+def test_vi_selection_reaches_map_exactly_on_a_confident_net(confident_ckpt):
+    model = load_classifier("builtin:small-cnn", confident_ckpt)
+    source = FitSource(model, load_data("digits:train"), load_data("digits:val"))
+    post = fit_mnvi(source, MNVIConfig(epochs=2))
+    sel = post.meta["selection"]
+    val_nll = _oracle_nll(confident_ckpt, "digits:val")[0]
+    assert abs(sel["map_validation"]["nll"] - val_nll) <= 1e-6 * val_nll
+    # the grid's MAP end (start logit variances v ≤ 1e-4, 256 draws) scores MAP's exact NLL: a row's
+    # log p moves by ~v from Jensen plus MC noise √(2v/256) ≈ 1e-3 (measured: 1.2e-6 in the mean);
+    # the probabilities alone count each underflowed wrong answer at 708 nats (a gap of 2.7 here)
+    assert abs(sel["map_limit_gap"]) <= 1e-2, (sel["map_limit_gap"], val_nll)

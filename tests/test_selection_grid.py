@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bayescli.metrics import nll
-from bayescli.posterior.selection import select_on_grid
+from bayescli.posterior.selection import Scored, select_on_grid
 
 N, K = 200, 4
 GEN = torch.Generator().manual_seed(0)
@@ -16,10 +16,11 @@ LABELS = torch.multinomial((LOGITS / 4).softmax(-1), 1, generator=GEN).squeeze(1
 
 
 def scaled(scale_of):
-    """candidate(v) = softmax(scale(v) · logits)."""
+    """candidate(v) = softmax(scale(v) · logits), with its log-softmax."""
 
     def candidate(v: float):
-        return v, (LOGITS * scale_of(v)).softmax(-1)
+        z = LOGITS * scale_of(v)
+        return v, Scored(z.softmax(-1), z.log_softmax(-1))
 
     return candidate
 

@@ -225,13 +225,13 @@ def _numpy_temperature(z: torch.Tensor, y: torch.Tensor) -> float:
 
 def _flat_selection(z: torch.Tensor, y: torch.Tensor, with_logits: bool = True):
     """select_on_grid where every candidate's predictive is MAP's: the MAP end wins the tie."""
-    from bayescli.posterior.selection import select_on_grid
+    from bayescli.posterior.selection import Scored, select_on_grid
 
     probs = z.softmax(-1)
     return select_on_grid(
         "prior_precision",
         [1.0, 10.0, 100.0],
-        lambda v: (v, probs),
+        lambda v: (v, Scored(probs, z.double().log_softmax(-1))),
         y,
         map_probs=probs,
         map_logits=z if with_logits else None,

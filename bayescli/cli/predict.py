@@ -167,7 +167,7 @@ def predict_cmd(
     summarise = multilabel_scores if multilabel else classification_summary
     map_probs = map_probabilities(feats.logits, post.likelihood)
     method = f"{predictive.value}-{link.value}" + (" (gaussian image)" if approximation else "")
-    if multilabel:  # NLLs from the log-odds where known: MAP's logits, the none/probit links'
+    if multilabel:  # NLLs from the log-odds: MAP's logits, each link's own
         own = pred.per_label.log_odds if pred.per_label is not None else None
         results = {
             "map": summarise(map_probs, feats.labels, feats.logits),

@@ -37,7 +37,6 @@ from bayescli.evaluation.methods import Method, MethodOutput, parse_methods
 from bayescli.features import Features
 from bayescli.metrics import ood_metrics
 from bayescli.metrics_multilabel import (
-    PROB_FLOOR,
     PROTOCOL,
     max_sigmoid,
     multilabel_summary,
@@ -119,12 +118,6 @@ def for_likelihood(cfg: EvalConfig, likelihood: str) -> EvalConfig:
     return replace(cfg, likelihood=likelihood, methods=methods, baselines=replace(bc, ood_scores=scores))
 
 
-def _logit(probs: torch.Tensor) -> torch.Tensor:
-    """``log p − log(1 − p)`` in float64, ``p`` and ``1 − p`` floored at ``PROB_FLOOR``."""
-    p = probs.double()
-    return p.clamp_min(PROB_FLOOR).log() - (1 - p).clamp_min(PROB_FLOOR).log()
-
-
 def run_multilabel_method(
     method: Method,
     posterior: Posterior | None,
@@ -143,13 +136,8 @@ def run_multilabel_method(
         return MethodOutput(probs, scores, seconds, log_odds=feats.logits.double())
     pred = predict(posterior, feats, Predictive.GLM, method.link, samples, seed, classifier, data)
     per_label = pred.per_label
-    log_odds = None if per_label is None else per_label.log_odds  # none, probit: exact NLL
-    if method.link is Link.NONE:
-        own = pred.logits.mean
-    elif method.link is Link.PROBIT:
-        own = log_odds
-    else:
-        own = _logit(pred.probs)
+    log_odds = None if per_label is None else per_label.log_odds  # each link's own: exact NLL
+    own = pred.logits.mean if method.link is Link.NONE else log_odds
     mi = per_label.mutual_information if per_label is not None else None
     scores = ood_scores(pred.probs, logits=own, mutual_info=mi)
     seconds = {k: v for k, v in pred.timings.items() if k != "forward"}

@@ -33,6 +33,7 @@ from bayescli.options import Criterion
 __all__ = [
     "TIE",
     "Criterion",
+    "Scored",
     "Selection",
     "calibration_verdict",
     "chose_map",
@@ -79,6 +80,31 @@ def scores(
         }
     logp = None if log_probs is None else log_probs.detach().cpu()
     return {"nll": nll(probs, labels, logp), "ece": ece(probs, labels), "brier": brier(probs, labels)}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate's validation predictive: ``probs [N, K]`` and, where the method has them, its
+    float64 ``log_probs [N, K]`` (softmax) or per-label ``log_odds [N, K]`` (multi-label), from
+    which the NLL is taken: exact where ``probs`` round to 0 or 1 (:func:`scores`)."""
+
+    probs: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    log_odds: torch.Tensor | None = None
+
+    def scores(self, labels: torch.Tensor) -> dict[str, float]:
+        """:func:`scores` of this predictive against ``labels``."""
+        return scores(self.probs, labels, self.log_probs, self.log_odds)
+
+    @staticmethod
+    def cat(parts: list[Scored]) -> Scored:
+        """The predictives of consecutive batches of inputs as one."""
+
+        def join(name: str) -> torch.Tensor | None:
+            values = [getattr(part, name) for part in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return Scored(join("probs"), join("log_probs"), join("log_odds"))
 
 
 @dataclass
@@ -203,7 +229,7 @@ def log_grid(center: float, low: int, high: int, step: float = 10.0) -> list[flo
 def select_on_grid(
     setting: str,
     grid: list[float],
-    candidate: Callable[[float], tuple[P, torch.Tensor]],
+    candidate: Callable[[float], tuple[P, Scored]],
     labels: torch.Tensor,
     criterion: Criterion | str = Criterion.NLL,
     *,
@@ -216,14 +242,15 @@ def select_on_grid(
 ) -> tuple[P, Selection]:
     """The candidate with the lowest validation ``criterion`` over ``grid`` and its record.
 
-    ``candidate(value)`` returns ``(posterior, probs [N, K])`` — the posterior at ``value`` and its
-    validation predictive. ``map_side`` (``"low"`` or ``"high"``) says which end of the grid is the
-    MAP limit: the grid is never extended past it, and where the curve is flat to within
-    :data:`TIE` of the best score the MAP end is chosen (the simpler answer; ``map_point``). A
-    minimum at the other edge extends the grid by ``extend_by`` points beyond it, up to
-    ``extensions`` times; if it stays there, :attr:`Selection.warning` says so. Where the MAP end
-    wins, MAP's ``map_logits [N, K]`` (when given) let the warning say why, from the temperature that
-    fits them (:func:`calibration_verdict`); without them it says nothing of calibration.
+    ``candidate(value)`` returns ``(posterior, Scored)`` — the posterior at ``value`` and its
+    validation predictive with its log-probabilities (so the NLL is exact at any confidence).
+    ``map_side`` (``"low"`` or ``"high"``) says which end of the grid is the MAP limit: the grid is
+    never extended past it, and where the curve is flat to within :data:`TIE` of the best score the
+    MAP end is chosen (the simpler answer; ``map_point``). A minimum at the other edge extends the
+    grid by ``extend_by`` points beyond it, up to ``extensions`` times; if it stays there,
+    :attr:`Selection.warning` says so. MAP's ``map_logits [N, K]`` (when given) make its scores
+    exact; where the MAP end wins they let the warning say why, from the temperature that fits them
+    (:func:`calibration_verdict`); without them it says nothing of calibration.
     """
     criterion = Criterion(criterion)
     grid = sorted(float(v) for v in grid)
@@ -232,8 +259,8 @@ def select_on_grid(
 
     def visit(values: list[float]) -> None:
         for v in values:
-            post, probs = candidate(v)
-            found[v] = (post, scores(probs, labels))
+            post, predictive = candidate(v)
+            found[v] = (post, predictive.scores(labels))
 
     def best() -> float:
         return min(found, key=lambda v: _finite(found[v][1][criterion.value]))

@@ -30,6 +30,7 @@ import torch
 
 from bayescli import devices
 from bayescli.errors import BayescliError
+from bayescli.posterior.vi.bernoulli_expectations import log_mean_sigmoid
 
 # Chunk sizes (:func:`bayescli.devices.chunk_elements`): these on a CPU, a memory budget on CUDA.
 MC_CHUNK_ELEMENTS = 1 << 18  # samples × inputs × labels per chunk (as in links.py)
@@ -66,8 +67,9 @@ class SigmoidLinkOutput:
     """Per-label results, all ``[N, K]``: ``probs``; ``alpha``/``beta`` for the Beta link; ``std``
     (spread of the per-label probability), ``expected_entropy`` (``E[H_b(π)]``) and
     ``mutual_information`` (``H_b(probs) − expected_entropy``) for ``mc`` and ``beta``; float64
-    ``log_odds`` ``s`` with ``probs = sigmoid(s)`` for ``none`` and ``probit`` (a sigmoid of a scaled
-    mean: the per-label NLL from ``log sigmoid(±s)`` is exact where ``probs`` round to 0 or 1)."""
+    ``log_odds`` ``s`` with ``probs = sigmoid(s)`` for every link (``none`` and ``probit``: a
+    scaled mean; ``mc``: ``log mean σ(z) − log mean σ(−z)`` over the draws; ``beta``: its mean's,
+    :func:`~bayescli.posterior.vi.bernoulli_expectations.log_mean_sigmoid`), so the per-label NLL from ``log sigmoid(±s)`` is exact where ``probs`` round to 0 or 1."""
 
     probs: torch.Tensor
     alpha: torch.Tensor | None = None
@@ -126,12 +128,15 @@ def monte_carlo(
     n, k = mean.shape
     rows = devices.chunk_rows(mean.device, samples * k, MC_CHUNK_ELEMENTS, MC_BUFFERS * mean.element_size())
     eps = torch.empty(min(rows, n), k, samples, dtype=mean.dtype, device=mean.device)
-    means, stds, ents = [], [], []
+    means, stds, ents, log_odds = [], [], [], []
     for start in range(0, n, rows):
         sl = slice(start, start + rows)
         e = eps[: len(mean[sl])].normal_(generator=generator)
         z = e.mul_(var[sl].sqrt().unsqueeze(-1)).add_(mean[sl].unsqueeze(-1))
         ents.append(_entropy_of_logit(z).mean(-1))
+        # log mean σ(z) − log mean σ(−z): the 1/M of the two means cancels
+        present = torch.nn.functional.logsigmoid(z).logsumexp(-1)
+        log_odds.append((present - torch.nn.functional.logsigmoid(-z).logsumexp(-1)).double())
         p = torch.sigmoid(z)
         m = p.mean(-1)
         means.append(m)
@@ -140,7 +145,10 @@ def monte_carlo(
     probs, expected = torch.cat(means), torch.cat(ents)
     # H_b is concave, so H_b(mean) ≥ mean H_b for the sample itself; only rounding goes below 0
     mi = (binary_entropy(probs) - expected).clamp_min(0)
-    return SigmoidLinkOutput(probs, std=torch.cat(stds), expected_entropy=expected, mutual_information=mi)
+    std, log_odds = torch.cat(stds), torch.cat(log_odds)
+    return SigmoidLinkOutput(
+        probs, std=std, expected_entropy=expected, mutual_information=mi, log_odds=log_odds
+    )
 
 
 def _nodes(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +259,9 @@ def beta_link(mean: torch.Tensor, var: torch.Tensor) -> SigmoidLinkOutput:
     expected = beta_expected_entropy(a, b)
     mi = beta_mutual_information(a, b)
     dt = mean.dtype
-    return SigmoidLinkOutput(m.to(dt), a.to(dt), b.to(dt), std.to(dt), expected.to(dt), mi.to(dt))
+    # the mean's, m = a / (a + b) = E[σ(f)] (moment matched), through the tilt where m underflows
+    log_odds = log_mean_sigmoid(mean, var) - log_mean_sigmoid(-mean, var)
+    return SigmoidLinkOutput(m.to(dt), a.to(dt), b.to(dt), std.to(dt), expected.to(dt), mi.to(dt), log_odds)
 
 
 def mutual_information(out: SigmoidLinkOutput) -> torch.Tensor:

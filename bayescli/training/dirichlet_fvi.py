@@ -22,9 +22,15 @@ from bayescli.devices import generator
 from bayescli.errors import require
 from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.options import Subset
-from bayescli.posterior.selection import select_on_grid, unvalidated
+from bayescli.posterior.selection import Scored, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import MAX_EPOCHS
-from bayescli.posterior.vi.dirichlet_fvi import TAU_GRID, DirichletFVIConfig, default_tau, index_source
+from bayescli.posterior.vi.dirichlet_fvi import (
+    TAU_GRID,
+    DirichletFVIConfig,
+    default_tau,
+    dirichlet_predictive,
+    index_source,
+)
 from bayescli.posterior.vi.dirichlet_fvi_objective import optimise, parse_beta
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import network_logits
@@ -164,10 +170,9 @@ def train(
     else:
         x_val = val.inputs(slice(None))
 
-        def candidate(tau: float) -> tuple[tuple[Classifier, DirichletFVIPosterior], torch.Tensor]:
+        def candidate(tau: float) -> tuple[tuple[Classifier, DirichletFVIPosterior], Scored]:
             clf, post = train_at(tau)
-            alpha = post.alpha_inputs(clf, x_val)
-            return (clf, post), alpha / alpha.sum(-1, keepdim=True)
+            return (clf, post), dirichlet_predictive(post.alpha_inputs(clf, x_val))
 
         grid = [base * f for f in TAU_GRID]
         (clf, post), sel = select_on_grid(

@@ -25,7 +25,7 @@ from bayescli.errors import BayescliError, require
 from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.gaussian import augment
-from bayescli.posterior.selection import select_on_grid, unvalidated
+from bayescli.posterior.selection import Scored, select_on_grid, unvalidated
 from bayescli.posterior.vi.fsvi import PRIOR_SCALE_GRID, VAL_SAMPLES, FSVIConfig, FSVIPosterior
 from bayescli.posterior.vi.fsvi_context import ContextSampler
 from bayescli.posterior.vi.fsvi_objective import (
@@ -35,7 +35,7 @@ from bayescli.posterior.vi.fsvi_objective import (
     expected_nll,
     function_kl,
     head_moments,
-    mc_probs,
+    mc_predictive,
 )
 from bayescli.progress import track
 from bayescli.training.classifier import channel_stats, checkpoint_metadata
@@ -213,14 +213,14 @@ def train(
     start = time.perf_counter()
     if cfg.select:
 
-        def candidate(c: float) -> tuple[tuple, torch.Tensor]:
+        def candidate(c: float) -> tuple[tuple, Scored]:
             run = _train_all(spec, train, cfg, c, device)
             clf, var, prior_var, _ = run
             head = _all_posterior(clf, var, prior_var, c, cfg).head_marginal(clf)
             with torch.no_grad():
                 phi = torch.cat([clf.features(xb.to(device)) for xb, _ in val.batches(512)])
             mu, v = head_moments(phi, head.mean.to(phi), head.var.to(phi), head.head_bias)
-            return (c, *run), mc_probs(mu, v, VAL_SAMPLES, cfg.seed)
+            return (c, *run), mc_predictive(mu, v, VAL_SAMPLES, cfg.seed)
 
         grid = list(PRIOR_SCALE_GRID[Subset.ALL])
         best, sel = select_on_grid(

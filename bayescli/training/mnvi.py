@@ -23,8 +23,8 @@ from bayescli.data import ArrayData
 from bayescli.errors import BayescliError, require
 from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.options import Subset
-from bayescli.posterior.selection import Selection, scores, select_on_grid, unvalidated
-from bayescli.posterior.vi.mnvi import MNVIConfig, check_select, network_probs
+from bayescli.posterior.selection import Scored, Selection, select_on_grid, unvalidated
+from bayescli.posterior.vi.mnvi import MNVIConfig, check_select, network_predictive
 from bayescli.posterior.vi.mnvi_objective import fit_network_once
 from bayescli.posterior.vi.mnvi_posterior import MNVIPosterior
 from bayescli.posterior.vi.moments import MomentPropagator
@@ -86,16 +86,16 @@ def train(
         post._cache["clf"] = clf
         return post
 
-    def probs(post: MNVIPosterior) -> torch.Tensor:
-        return network_probs(post, post._cache["clf"], val, device, 256, s.seed)
+    def predictive(post: MNVIPosterior) -> Scored:
+        return network_predictive(post, post._cache["clf"], val, device, 256, s.seed)
 
     base = s.resolved(True, len(train), 0.0)
     if s.select:
-        post = _select(base, s.prior_var is None, build, probs, val.y.to(device))
+        post = _select(base, s.prior_var is None, build, predictive, val.y.to(device))
     else:
         post = build(base)
         if val is not None:
-            post.meta["val_nll"] = scores(probs(post), val.y)["nll"]
+            post.meta["val_nll"] = predictive(post).scores(val.y)["nll"]
         post.meta["selection"] = (
             unvalidated("kl_weight", s.kl_weight, "given", fixed=True)
             if s.kl_weight is not None
@@ -117,7 +117,7 @@ def _select(
     base: MNVIConfig,
     search_prior_var: bool,
     build: Callable[[MNVIConfig], MNVIPosterior],
-    probs: Callable[[MNVIPosterior], torch.Tensor],
+    predictive: Callable[[MNVIPosterior], Scored],
     labels: torch.Tensor,
 ) -> MNVIPosterior:
     """κ/N on :data:`KL_WEIGHT_GRID` for each σ² (the grid, or the given one); no extension beyond
@@ -126,9 +126,9 @@ def _select(
     per_prior_var = []
     for prior_var in PRIOR_VAR_GRID if search_prior_var else (base.prior_var,):
 
-        def candidate(kappa: float, prior_var: float = prior_var) -> tuple[MNVIPosterior, torch.Tensor]:
+        def candidate(kappa: float, prior_var: float = prior_var) -> tuple[MNVIPosterior, Scored]:
             post = build(replace(base, kl_weight=kappa, prior_var=prior_var))
-            return post, probs(post)
+            return post, predictive(post)
 
         post, sel = select_on_grid(
             "kl_weight", list(KL_WEIGHT_GRID), candidate, labels, base.select_by,

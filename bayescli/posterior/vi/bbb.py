@@ -42,7 +42,7 @@ from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.laplace import fit_laplace
-from bayescli.posterior.selection import Criterion
+from bayescli.posterior.selection import Criterion, Scored
 from bayescli.posterior.vi.network_weights import network_logits
 from bayescli.posterior.vi.prior_precision import (
     MARGLIK_RULE,
@@ -55,6 +55,7 @@ from bayescli.posterior.vi.prior_precision import (
     selects,
 )
 from bayescli.posterior.vi.setting_values import as_float
+from bayescli.posterior.vi.softmax_expectations import log_mean_softmax
 from bayescli.progress import track
 
 
@@ -346,20 +347,23 @@ def validation(
     samples: int,
     criterion: Criterion,
     batch_size: int,
-    map_probs: torch.Tensor | None,
+    map_logits: torch.Tensor | None,
 ) -> Validation:
-    """The BNN predictive on ``val`` ``[N, K]``: per batch, ``samples`` network runs at draws from
-    ``q`` seeded with the posterior's seed (``map_probs [N, K]``: the network's own softmax)."""
+    """The BNN predictive on ``val`` ``[N, K]`` with its log-probabilities: per batch, ``samples``
+    network runs at draws from ``q`` seeded with the posterior's seed (``map_logits [N, K]``: the
+    network's own, for MAP's scores)."""
 
-    def probs(post: BBBPosterior) -> torch.Tensor:
+    def predictive(post: BBBPosterior) -> Scored:
         parts = []
         for x, _ in val.batches(batch_size):
             gen = devices.generator(post.mean.device, post.seed)
-            parts.append(post.sample_logits(post.samples, classifier, x, None, gen).softmax(-1).mean(0))
-        return torch.cat(parts)
+            draws = post.sample_logits(post.samples, classifier, x, None, gen)
+            parts.append(Scored(draws.softmax(-1).mean(0), log_mean_softmax(draws)))
+        return Scored.cat(parts)
 
     objective = f"validation {criterion.value} (bnn predictive, {samples} draws)"
-    return Validation(probs, val.y, objective, map_probs)
+    map_probs = None if map_logits is None else map_logits.softmax(-1)
+    return Validation(predictive, val.y, objective, map_probs, map_logits)
 
 
 def fit_mean_field(
@@ -431,8 +435,8 @@ def fit(source: FitSource, settings: BBBConfig) -> BBBPosterior:
     clf = source.classifier
     val = None
     if selects(settings.prior_precision, settings.select, source.val is not None):
-        map_probs = source.val_features().logits.softmax(-1)
-        val = validation(clf, source.val, settings.samples, settings.select_by, source.batch_size, map_probs)
+        map_logits = source.val_features().logits
+        val = validation(clf, source.val, settings.samples, settings.select_by, source.batch_size, map_logits)
 
     def default() -> Default:
         clf.to(source.device).eval()

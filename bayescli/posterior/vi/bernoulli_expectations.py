@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bayescli.posterior.selection import Scored
 from bayescli.posterior.vi.softmax_expectations import gauss_hermite
 
 # (largest √v, Gauss–Hermite nodes) per band, each a few nodes above the measured need (module docs);
@@ -144,6 +145,30 @@ def expected_log_likelihood(mean: torch.Tensor, var: torch.Tensor, labels: torch
 def expected_sigmoid(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """The per-label predictive ``E[σ(f)]`` ``[N, K]`` (in ``mean``'s dtype)."""
     return gaussian_expectations(mean, var)[1].to(mean.dtype)
+
+
+def log_mean_sigmoid(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``log E[σ(f)]`` elementwise in float64, ``f ~ N(mean, var)``, at any margin.
+
+    Where ``μ + v < 0``, ``E[σ(f)]`` may lie below float64's range (``e^{−800}``), so it is taken
+    through the exponential tilt ``σ(f) = e^f σ(−f)``: ``E[σ(f)] = e^{μ + v/2} E[σ(−f′)]`` with
+    ``f′ ~ N(μ + v, v)``, and ``E[σ(−f′)] ≥ ½`` there (``f′`` is symmetric about a non-positive
+    mean), so its log keeps every digit; elsewhere ``E[σ(f)]`` is computed directly."""
+    mu, v = mean.double(), var.double().clamp_min(0)
+    out = gaussian_expectations(mu, v)[1].clamp_min(torch.finfo(torch.float64).tiny).log()
+    tilt = mu + v < 0
+    if tilt.any():
+        m, w = mu[tilt], v[tilt]
+        out[tilt] = m + w / 2 + gaussian_expectations(-(m + w), w)[1].log()
+    return out
+
+
+def sigmoid_predictive(mean: torch.Tensor, var: torch.Tensor) -> Scored:
+    """The per-label predictive ``E[σ(f)]`` ``[N, K]`` (in ``mean``'s dtype) with its float64
+    log-odds ``log E[σ(f)] − log E[σ(−f)]`` (:func:`log_mean_sigmoid` each), so that the
+    per-label NLL stays exact at any margin."""
+    p = gaussian_expectations(mean, var)[1]
+    return Scored(p.to(mean.dtype), log_odds=log_mean_sigmoid(mean, var) - log_mean_sigmoid(-mean, var))
 
 
 def bernoulli_expectations(

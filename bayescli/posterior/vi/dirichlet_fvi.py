@@ -68,7 +68,7 @@ from bayescli.errors import BayescliError, require
 from bayescli.features import Features
 from bayescli.fit_source import FitSource
 from bayescli.options import Subset
-from bayescli.posterior.selection import Criterion, log_grid, scores, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, log_grid, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA, optimise, parse_beta
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
@@ -255,6 +255,13 @@ def index_source(index_data: str | Data | None, train: Data, seed: int) -> list[
     return index_data
 
 
+def dirichlet_predictive(alpha: torch.Tensor) -> Scored:
+    """The Dirichlet mean ``α/α₀`` ``[N, K]`` (the predictive probabilities) of ``alpha [N, K]``
+    with its float64 log ``log α − log α₀``, which no rounding of the mean to 0 touches."""
+    a = alpha.double()
+    return Scored(alpha / alpha.sum(-1, keepdim=True), a.log() - a.sum(-1, keepdim=True).log())
+
+
 def dirichlet_nll(alpha: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean NLL of the Dirichlet mean ``α/α₀`` (the predictive probabilities) on ``labels``."""
     log_mean = alpha.log() - alpha.sum(-1, keepdim=True).log()
@@ -389,13 +396,9 @@ def _select_tau(
     when none beats it. Sets ``meta["selection"]`` (with the MAP head's scores as ``map_limit``)."""
     val_phi, val_y = val.phi, val.labels
 
-    def dirichlet_mean(post: DirichletFVIPosterior) -> torch.Tensor:
-        alpha = post.alpha_features(val_phi)
-        return alpha / alpha.sum(-1, keepdim=True)
-
-    def candidate(tau: float) -> tuple[DirichletFVIPosterior, torch.Tensor]:
+    def candidate(tau: float) -> tuple[DirichletFVIPosterior, Scored]:
         post = fit_at(tau)
-        return post, dirichlet_mean(post)
+        return post, dirichlet_predictive(post.alpha_features(val_phi))
 
     best, sel = select_on_grid(
         "tau",
@@ -404,11 +407,12 @@ def _select_tau(
         val_y,
         cfg.select_by,
         map_probs=torch.softmax(val.logits.double(), -1),
+        map_logits=val.logits,
         principled=principled,
         map_side="low",
     )
     limit = map_limit(head, beta, n_data, cfg)
-    limit_scores = scores(dirichlet_mean(limit), val_y)
+    limit_scores = dirichlet_predictive(limit.alpha_features(val_phi)).scores(val_y)
     by = cfg.select_by.value
     chosen_score = next(row[by] for row in sel.curve if row["tau"] == sel.chosen)
     record = sel.record() | {"map_limit": {"tau": 0.0, "refit": False, **limit_scores}}

@@ -55,7 +55,7 @@ from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import head_parameters
-from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, log_grid, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.fsvi_context import CONTEXT_KINDS, ContextSampler
 from bayescli.posterior.vi.fsvi_objective import (
@@ -65,7 +65,7 @@ from bayescli.posterior.vi.fsvi_objective import (
     expected_nll,
     function_kl,
     head_moments,
-    mc_probs,
+    mc_predictive,
 )
 from bayescli.progress import track
 
@@ -520,19 +520,20 @@ def fit_last_layer(
         _check_fit_data(val_phi, val_labels, k, "validation")
         val_phi, val_labels = val_phi.to(phi), val_labels.to(phi.device)
 
-        def candidate(c: float) -> tuple[FSVIPosterior, torch.Tensor]:
+        def candidate(c: float) -> tuple[FSVIPosterior, Scored]:
             post = fitted(c)
             mu, v = head_moments(val_phi, post.mean.to(phi), post.var.to(phi), bias)
-            return post, mc_probs(mu, v, VAL_SAMPLES, cfg.seed)
+            return post, mc_predictive(mu, v, VAL_SAMPLES, cfg.seed)
 
-        map_probs = head(val_phi.to(head.weight.dtype)).detach().softmax(-1)
+        map_logits = head(val_phi.to(head.weight.dtype)).detach()
         post, sel = select_on_grid(
             "prior_scale",
             list(PRIOR_SCALE_GRID[Subset.LAST_LAYER]),
             candidate,
             val_labels,
             cfg.select_by,
-            map_probs=map_probs,
+            map_probs=map_logits.softmax(-1),
+            map_logits=map_logits,
             principled=cfg.default_prior_scale,
         )
         record = sel.record()

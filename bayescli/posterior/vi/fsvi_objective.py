@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from bayescli.devices import generator
 from bayescli.errors import BayescliError
+from bayescli.posterior.selection import Scored
+from bayescli.posterior.vi.softmax_expectations import log_mean_softmax
 
 JITTER = 1e-6  # relative to mean diag(K_p) (FSVI-code uses an absolute 1e-6; VI-SPEC B6.6)
 
@@ -198,17 +200,19 @@ def head_moments(phi: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, bias:
     return torch.addmm(mean[:, -1], phi, mean[:, :-1].T), torch.addmm(var[:, -1], phi.square(), var[:, :-1].T)
 
 
-def mc_probs(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
-    """``E[softmax(z)]`` ``[N, K]``, ``z ~ N(mean, diag var)`` (``[N, K]`` each), by ``samples`` seeded
-    draws per input — the predictive that FSVI's validation scores rate."""
+def mc_predictive(mean: torch.Tensor, var: torch.Tensor, samples: int, seed: int) -> Scored:
+    """``E[softmax(z)]`` ``[N, K]`` with its log-probabilities (:func:`log_mean_softmax`),
+    ``z ~ N(mean, diag var)`` (``[N, K]`` each), by ``samples`` seeded draws per input — the
+    predictive that FSVI's validation scores rate."""
     gen = generator(mean.device, seed)
     out = []
     # Chunks of 1024 inputs bound the [samples, chunk, K] draws in memory.
     for start in range(0, len(mean), 1024):
         sl = slice(start, start + 1024)
         eps = torch.randn((samples, *mean[sl].shape), generator=gen, dtype=mean.dtype, device=mean.device)
-        out.append((mean[sl] + var[sl].sqrt() * eps).softmax(-1).mean(0))
-    return torch.cat(out)
+        draws = mean[sl] + var[sl].sqrt() * eps
+        out.append(Scored(draws.softmax(-1).mean(0), log_mean_softmax(draws)))
+    return Scored.cat(out)
 
 
 def epoch_parts(loss: torch.Tensor, nll: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:

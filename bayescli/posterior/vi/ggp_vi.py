@@ -59,7 +59,7 @@ from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import LogitGaussian, augment
 from bayescli.posterior.laplace import fit_laplace, head_parameters
-from bayescli.posterior.selection import Criterion
+from bayescli.posterior.selection import Criterion, Scored
 from bayescli.posterior.vi.linearised_glm import MAX_JACOBIAN_BYTES
 from bayescli.posterior.vi.network_weights import flat_parameters
 from bayescli.posterior.vi.prior_precision import (
@@ -76,7 +76,7 @@ from bayescli.posterior.vi.setting_values import as_float
 from bayescli.posterior.vi.softmax_expectations import (
     VAL_SAMPLES,
     expectation_label,
-    mc_probs,
+    mc_predictive,
 )
 from bayescli.posterior.vi.svgp import (
     CHUNK,
@@ -469,12 +469,12 @@ def fit_over_grid(
     val = None
     if selecting:
 
-        def probs(post: GGPVIPosterior) -> torch.Tensor:
+        def predictive(post: GGPVIPosterior) -> Scored:
             proj = kernel.val.at(post.prior_precision)
-            return mc_probs(predict_svgp(proj, post.var_mean, post.var_chol), cfg.seed)
+            return mc_predictive(predict_svgp(proj, post.var_mean, post.var_chol), cfg.seed)
 
         objective = f"validation {cfg.select_by.value} (svgp predictive, {VAL_SAMPLES} MC draws)"
-        val = Validation(probs, source.val.y, objective, val_feats.logits.softmax(-1))
+        val = Validation(predictive, source.val.y, objective, val_feats.logits.softmax(-1), val_feats.logits)
 
     def default() -> Default:
         return Default(marglik, "laplace-marglik", MARGLIK_RULE)

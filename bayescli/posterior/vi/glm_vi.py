@@ -80,12 +80,12 @@ from bayescli.posterior.gaussian import (
     augment,
 )
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
-from bayescli.posterior.selection import Criterion
+from bayescli.posterior.selection import Criterion, Scored
 from bayescli.posterior.vi.bernoulli_expectations import (
     HERMITE_BANDS,
     LAGUERRE_NODES,
     SWITCH_STD,
-    expected_sigmoid,
+    sigmoid_predictive,
 )
 from bayescli.posterior.vi.linearised_glm import GLMData, NGVIResult, linearised_data, natural_gradient_vi
 from bayescli.posterior.vi.network_weights import flat_parameters, network_logits
@@ -100,7 +100,7 @@ from bayescli.posterior.vi.prior_precision import (
     selects,
 )
 from bayescli.posterior.vi.setting_values import as_float
-from bayescli.posterior.vi.softmax_expectations import VAL_SAMPLES, expectation_label, mc_probs
+from bayescli.posterior.vi.softmax_expectations import VAL_SAMPLES, expectation_label, mc_predictive
 
 COVARIANCES = ("diag", "full")
 # δ of the point mass at θ* (curvature zero): weight variances 1e-30, finite so the file's JSON
@@ -362,7 +362,7 @@ def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
     val_phi = feats.phi if last else None
     likelihood = source.model.likelihood
 
-    def probs(post: GLMVIPosterior) -> torch.Tensor:
+    def predictive(post: GLMVIPosterior) -> Scored:
         if val_phi is not None:
             lg = post.logit_gaussian(val_phi)
         else:
@@ -370,13 +370,13 @@ def _validation(source: FitSource, cfg: GLMVIConfig) -> Validation:
                 [post.logit_gaussian_inputs(classifier, x) for x, _ in source.val.batches(batch_size)]
             )
         if likelihood == "bernoulli":
-            return expected_sigmoid(lg.mean, lg.var)
-        return mc_probs(lg, cfg.seed)
+            return sigmoid_predictive(lg.mean, lg.var)
+        return mc_predictive(lg, cfg.seed)
 
     draws = "E[sigmoid] per label by quadrature" if likelihood == "bernoulli" else f"{VAL_SAMPLES} MC draws"
     objective = f"validation {cfg.select_by.value} (glm predictive, {draws})"
     map_probs = map_probabilities(feats.logits, likelihood)
-    return Validation(probs, source.val.y, objective, map_probs)
+    return Validation(predictive, source.val.y, objective, map_probs, feats.logits)
 
 
 def _prepare(source: FitSource, cfg: GLMVIConfig) -> _Problem:

@@ -58,13 +58,13 @@ from bayescli.fit_source import FitSource
 from bayescli.metrics import map_probabilities
 from bayescli.models import Classifier
 from bayescli.options import Subset
-from bayescli.posterior.selection import Criterion, scores, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.mnvi_objective import (
     fit_head_once,
     fit_network_once,
     mean_square,
-    predictive_probs,
+    validation_predictive,
 )
 from bayescli.posterior.vi.mnvi_posterior import MNVIPosterior
 from bayescli.posterior.vi.moments import MomentPropagator
@@ -243,16 +243,17 @@ def fit_features(
         pv = phi_val.to(device=device, dtype=torch.float32)
         lv = labels_val.to(device)
 
-        def probs(post: MNVIPosterior) -> torch.Tensor:
+        def predictive(post: MNVIPosterior) -> Scored:
             lg = post.logit_gaussian(pv)
             gen = generator(device, s.seed)
-            return predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, likelihood)
+            return validation_predictive(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, likelihood)
 
         def start_variance(a0: float) -> float:
             return float((pv.square() @ (weight.square() * a0).T).max())
 
         map_logits = torch.nn.functional.linear(pv, weight, bias)
-        val = _Validation(lv, probs, map_probabilities(map_logits, likelihood), start_variance, map_logits)
+        map_probs = map_probabilities(map_logits, likelihood)
+        val = _Validation(lv, predictive, map_probs, start_variance, map_logits)
     post = _choose(s, n, weight.square().mean().item(), run, val)
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
@@ -292,8 +293,8 @@ def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorica
     if source.val is not None:
         vfeats = source.val_features()
 
-        def probs(post: MNVIPosterior) -> torch.Tensor:
-            return network_probs(post, clf, source.val, device, source.batch_size, s.seed)
+        def predictive(post: MNVIPosterior) -> Scored:
+            return network_predictive(post, clf, source.val, device, source.batch_size, s.seed)
 
         def start_variance(a0: float) -> float:
             noise = {k: torch.full((u,), a0, device=device) for k, u in prop.layers.items()}
@@ -305,23 +306,23 @@ def _fit_network(source: FitSource, s: MNVIConfig, likelihood: str = "categorica
             return float(torch.stack(peaks).max())  # one read, not one per batch
 
         map_probs = map_probabilities(vfeats.logits.to(device), likelihood)
-        val = _Validation(vfeats.labels.to(device), probs, map_probs, start_variance, vfeats.logits)
+        val = _Validation(vfeats.labels.to(device), predictive, map_probs, start_variance, vfeats.logits)
     return _choose(s, len(train), mean_square(prop), run, val)
 
 
-def network_probs(
+def network_predictive(
     post: MNVIPosterior, clf: Classifier, data: Data, device: torch.device, batch_size: int, seed: int
-) -> torch.Tensor:
+) -> Scored:
     """The MC predictive [002:(20)] of an all-layer ``post`` on ``data``'s inputs → ``[N, K]``
-    (logits by moment propagation through ``clf``; one seeded generator across batches); per-label
-    ``E[σ(h_k)]`` for a bernoulli ``post``."""
+    with its log-probabilities (logits by moment propagation through ``clf``; one seeded generator
+    across batches); per-label ``E[σ(h_k)]`` and its log-odds for a bernoulli ``post``."""
     gen = generator(device, seed)
     parts = []
     with torch.no_grad():
         for xb, _ in data.batches(batch_size):
             lg = post.logit_gaussian_inputs(clf, xb.to(device))
-            parts.append(predictive_probs(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, post.likelihood))
-    return torch.cat(parts)
+            parts.append(validation_predictive(lg.mean, lg.var, PREDICTIVE_SAMPLES, gen, post.likelihood))
+    return Scored.cat(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,12 +333,13 @@ def network_probs(
 @dataclass
 class _Validation:
     """What the κ selection needs of the validation set: ``labels [M]`` (``[M, K]`` multi-label),
-    a posterior's predictive ``probs(post) → [M, K]``, MAP's ``map_probs [M, K]``, the largest logit
-    variance at a uniform start noise ``start_variance(a0)`` and MAP's ``map_logits [M, K]`` (the
-    warning's calibration evidence)."""
+    a posterior's predictive ``predictive(post)`` (``[M, K]``, with its logs), MAP's
+    ``map_probs [M, K]``, the largest logit variance at a uniform start noise
+    ``start_variance(a0)`` and MAP's ``map_logits [M, K]`` (its exact scores and the warning's
+    calibration evidence)."""
 
     labels: torch.Tensor
-    probs: Callable[[MNVIPosterior], torch.Tensor]
+    predictive: Callable[[MNVIPosterior], Scored]
     map_probs: torch.Tensor
     start_variance: Callable[[float], float]
     map_logits: torch.Tensor
@@ -367,7 +369,7 @@ def _choose(
         rule = PRINCIPLED_RULE if val is None else f"select=False: {PRINCIPLED_RULE.split(';')[0]}"
         post.meta["selection"] = unvalidated("kl_weight", base.kl_weight, rule)
     if val is not None:
-        post.meta["val_nll"] = scores(val.probs(post), val.labels)["nll"]
+        post.meta["val_nll"] = val.predictive(post).scores(val.labels)["nll"]
     return post
 
 
@@ -397,14 +399,14 @@ def _select_kl_weight(
     below = max(MIN_DECADES_BELOW, math.ceil(math.log10(ratio)) if ratio > 1 else 0)
     grid = [principled * 10.0**i for i in range(-below, DECADES_ABOVE + 1)]
 
-    def candidate(kappa: float) -> tuple[MNVIPosterior, torch.Tensor]:
+    def candidate(kappa: float) -> tuple[MNVIPosterior, Scored]:
         c = (
             base
             if kappa == principled
             else replace(base, kl_weight=kappa, rho0=start_rho(base.rho0, kappa / principled))
         )
         post = run(c)
-        return post, val.probs(post)
+        return post, val.predictive(post)
 
     post, sel = select_on_grid(
         "kl_weight",

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from bayescli.data import Data
 from bayescli.devices import generator
 from bayescli.models import Classifier
-from bayescli.posterior.vi.bernoulli_expectations import expected_log_likelihood, expected_sigmoid
+from bayescli.posterior.selection import Scored
+from bayescli.posterior.vi.bernoulli_expectations import expected_log_likelihood, sigmoid_predictive
 from bayescli.posterior.vi.moments import MomentPropagator
+from bayescli.posterior.vi.softmax_expectations import log_mean_softmax
 from bayescli.progress import track
 
 if TYPE_CHECKING:
@@ -115,28 +117,31 @@ def _batches(
         yield perm[start : start + batch_size]
 
 
-def predictive_probs(
+def validation_predictive(
     mean: torch.Tensor,
     var: torch.Tensor,
     samples: int,
     generator: torch.Generator,
     likelihood: str = "categorical",
-) -> torch.Tensor:
+) -> Scored:
     """The MC predictive ``p = (1/S) Σ_s softmax(μ + √v ⊙ ε_s)`` [002:(20)] of Gaussian logits
-    ``mean, var [N, K]`` → ``[N, K]``, chunked over inputs; for ``likelihood="bernoulli"`` the
-    per-label ``E[σ(h_k)]`` by quadrature (the limit of the ``mc`` link; no draws)."""
+    ``mean, var [N, K]`` → ``[N, K]`` with its log-probabilities (:func:`log_mean_softmax`), chunked
+    over inputs; for ``likelihood="bernoulli"`` the per-label ``E[σ(h_k)]`` and its log-odds by
+    quadrature (the limit of the ``mc`` link; no draws)."""
     if likelihood == "bernoulli":
-        return expected_sigmoid(mean, var)
+        return sigmoid_predictive(mean, var)
     k = mean.shape[-1]
     chunk = max(1, 2**22 // (samples * k))
-    parts = []
+    probs, log_probs = [], []
     for start in range(0, len(mean), chunk):
         sl = slice(start, start + chunk)
         eps = torch.randn(
             (samples, *mean[sl].shape), generator=generator, dtype=mean.dtype, device=mean.device
         )
-        parts.append(torch.softmax(mean[sl] + var[sl].clamp_min(0).sqrt() * eps, -1).mean(0))
-    return torch.cat(parts)
+        draws = mean[sl] + var[sl].clamp_min(0).sqrt() * eps
+        probs.append(torch.softmax(draws, -1).mean(0))
+        log_probs.append(log_mean_softmax(draws))
+    return Scored(torch.cat(probs), torch.cat(log_probs))
 
 
 def _parts(loss: torch.Tensor, nll: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:

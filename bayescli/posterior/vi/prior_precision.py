@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.posterior.selection import Criterion, log_grid, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, log_grid, select_on_grid, unvalidated
 
 P = TypeVar("P")
 
@@ -47,15 +47,17 @@ SELECT_GRID = [float(v) for v in np.logspace(-2, 2, 10)]
 class Validation:
     """Held-out data to score candidates on.
 
-    ``probs(posterior)`` is the posterior's validation predictive ``[N, K]`` (the method's own:
-    ``objective`` says which), ``labels [N]``; ``map_probs [N, K]`` the network's own softmax, or
+    ``predictive(posterior)`` is the posterior's validation predictive ``[N, K]`` with its
+    log-probabilities (the method's own: ``objective`` says which), ``labels [N]``; ``map_probs
+    [N, K]`` the network's own softmax and ``map_logits [N, K]`` its logits (MAP's NLL exact), or
     ``None`` where there is no trained network to compare with (from scratch).
     """
 
-    probs: Callable[[object], torch.Tensor]
+    predictive: Callable[[object], Scored]
     labels: torch.Tensor
     objective: str
     map_probs: torch.Tensor | None = None
+    map_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -138,9 +140,9 @@ def choose_prior_precision(
         principled = default().value
         grid = Grid(log_grid(principled, -2, 2), extensions=2, extend_by=2)
 
-    def candidate(delta: float) -> tuple[P, torch.Tensor]:
+    def candidate(delta: float) -> tuple[P, Scored]:
         post = run(delta)
-        return post, val.probs(post)
+        return post, val.predictive(post)
 
     post, selection = select_on_grid(
         SETTING,
@@ -149,6 +151,7 @@ def choose_prior_precision(
         val.labels,
         criterion,
         map_probs=val.map_probs,
+        map_logits=val.map_logits,
         principled=principled,
         extensions=grid.extensions,
         extend_by=grid.extend_by,

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from bayescli import devices
-from bayescli.metrics import nll
 from bayescli.posterior.gaussian import LogitGaussian, cholesky_jitter
+from bayescli.posterior.selection import Scored
 
 GH_NODES = 64
 # Draws of the Monte-Carlo predictive that scores a candidate on validation data.
@@ -126,12 +126,16 @@ def expectation_label(num_classes: int, samples: int) -> str:
     return f"Monte Carlo: {samples} logit draws per input and step (seeded)"
 
 
-def mc_probs(lg: LogitGaussian, seed: int, samples: int = VAL_SAMPLES) -> torch.Tensor:
-    """The Monte-Carlo predictive ``E[softmax f] [N, K]``, ``f ~ lg`` (``samples`` seeded draws)."""
+def log_mean_softmax(draws: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``log((1/S) Σ_s softmax(z_s))`` in float64 for draws ``z [S, ...]`` (softmax over ``dim``):
+    a log-sum-exp of the draws' log-softmax, so a class whose mean probability rounds to 0 keeps
+    its log (the NLL of a confidently wrong input is exact, not that of ``log 0``)."""
+    return (draws.log_softmax(dim).logsumexp(0) - math.log(len(draws))).double()
+
+
+def mc_predictive(lg: LogitGaussian, seed: int, samples: int = VAL_SAMPLES) -> Scored:
+    """The Monte-Carlo predictive ``E[softmax f] [N, K]``, ``f ~ lg`` (``samples`` seeded draws),
+    with its log-probabilities (:func:`log_mean_softmax`)."""
     draws = lg.sample(samples, devices.generator(lg.mean.device, seed))
-    return draws.transpose(1, 2).contiguous().softmax(1).mean(0).T  # classes on the middle axis: faster
-
-
-def mc_nll(lg: LogitGaussian, labels: torch.Tensor, seed: int, samples: int = VAL_SAMPLES) -> float:
-    """NLL of :func:`mc_probs` against ``labels [N]``."""
-    return nll(mc_probs(lg, seed, samples), labels)
+    draws = draws.transpose(1, 2).contiguous()  # classes on the middle axis: a faster softmax
+    return Scored(draws.softmax(1).mean(0).T, log_mean_softmax(draws, 1).T)
