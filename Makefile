@@ -28,7 +28,7 @@ demo:
 
 test:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples scripts docs/snippets \
-	  && "$$V/bin/python" -m mkdocs build --strict --quiet && "$$V/bin/python" -m pytest -q tests \
+	  && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs build --strict --quiet && "$$V/bin/python" -m pytest -q tests \
 	  && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q $(GPU_SLICE)
 
 test-gpu:
@@ -44,10 +44,10 @@ lint:
 # and outputs come from docs/snippets/ (scripts/docs_snippets.py), the generated pages from
 # scripts/docs_gen.py; tests/test_docs.py checks both are current.
 docs:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" -m mkdocs build --strict
+	@V="$(ENV)" && test -n "$$V" && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs build --strict
 
 docs-serve:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" -m mkdocs serve
+	@V="$(ENV)" && test -n "$$V" && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs serve
 
 bench:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" benchmarks/run.py

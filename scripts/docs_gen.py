@@ -36,8 +36,9 @@ COMMANDS = ("inspect", "train", "fit-laplace", "fit-vi", "select", "predict", "t
 
 def _type(node: dict) -> str:
     if "$ref" in node:
-        name = node["$ref"].rsplit("/", 1)[-1]
-        return f"[{name}](#{name.replace('_', '-')})"
+        where, name = node["$ref"].rsplit("/", 1)
+        # a definition has its own section below; a property is a row of the first table
+        return f"[{name}](#{name})" if where.endswith("$defs") else f"the `{name}` object (above)"
     if "const" in node:
         return f"`{json.dumps(node['const'])}`"
     if "enum" in node:

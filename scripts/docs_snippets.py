@@ -40,6 +40,9 @@ _EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 # The fast variant the tests run: training commands train for fewer epochs (the set-up of a
 # guide, never a number it shows).
 FAST_ARGS = {"bayescli train": ["--epochs", "3"]}
+# Scripts whose shown commands train the checkpoint themselves; the others' set-up line trains one
+# only when none is there, and they share the first one trained (the tests give them theirs).
+TRAINS = {"tour"}
 # Files a script makes that the docs show (figures), copied out of its working directory.
 KEEP = {"quickstart": {"figures/reliability.png": "docs/assets/reliability.png"}}
 # Rich tables are as wide as the terminal; the recorded output is as wide as the docs' code blocks.
@@ -184,12 +187,17 @@ def main() -> None:
     args = ap.parse_args()
     bin_dir = Path(sys.executable).parent
     OUTPUT.mkdir(parents=True, exist_ok=True)
+    shared = Path(tempfile.mkdtemp())  # the first model.safetensors a script trains serves the rest
     for script in scripts():
         if args.only and script.stem not in args.only:
             continue
         with tempfile.TemporaryDirectory() as tmp:
+            if (shared / "model.safetensors").exists() and script.stem not in TRAINS:
+                shutil.copyfile(shared / "model.safetensors", Path(tmp, "model.safetensors"))
             start = time.perf_counter()
             ran = run(script, Path(tmp), bin_dir)
+            if Path(tmp, "model.safetensors").exists() and not (shared / "model.safetensors").exists():
+                shutil.copyfile(Path(tmp, "model.safetensors"), shared / "model.safetensors")
             print(f"{script.name}: {len(ran)} commands, {time.perf_counter() - start:.0f} s", file=sys.stderr)
             for made, kept in KEEP.get(script.stem, {}).items():
                 shutil.copyfile(Path(tmp, made), ROOT / kept)
@@ -203,6 +211,7 @@ def main() -> None:
         for name, blocks in sections.items():
             output_name(script, name).write_text("\n".join(blocks) + "\n")
     (OUTPUT / "machine.txt").write_text(machine() + "\n")
+    shutil.rmtree(shared)
 
 
 if __name__ == "__main__":
