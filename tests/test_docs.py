@@ -5,8 +5,8 @@ a docstring (mkdocstrings renders a missing one as nothing, without a warning, s
 cannot catch it).
 
 The guides' scripts (``docs/snippets/*.sh``) run here in their fast variant: the session's trained
-digits checkpoint stands in for the one their set-up line would train, and ``bayescli train``
-commands train for 3 epochs (``docs_snippets.FAST_ARGS``).
+digits checkpoint stands in for the one their set-up line would train, ``bayescli train``
+commands train for 3 epochs and ``select`` compares three methods (``docs_snippets.FAST_ARGS``).
 """
 
 from __future__ import annotations
@@ -69,17 +69,14 @@ def _check_checkpoints(d: Path) -> None:
 
 def _check_select(d: Path) -> None:
     board = _json(d / "select" / "leaderboard.json")
-    assert set(board["methods"]) == {
-        "laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature"
-    }  # fmt: skip
+    assert set(board["methods"]) == {"laplace-kron", "mnvi", "temperature"}  # FAST_ARGS
     assert board["best"] in board["methods"] and (d / "select" / "best.safetensors").exists()
 
 
 def _check_methods(d: Path) -> None:
     results = _json(d / "compare.json")["results"]["in_distribution"]
     assert {"map", "mnvi/glm-probit", "glm-vi/glm-probit", "laplace-marglik/glm-probit"} <= set(results)
-    for name in ("laplace-all", "ggp-vi"):
-        assert (d / f"{name}.safetensors").exists()
+    assert (d / "laplace-diag.safetensors").exists()
 
 
 def _check_evaluation(d: Path) -> None:
@@ -110,7 +107,8 @@ def _check_python_api(d: Path) -> None:
 
 
 def _check_troubleshooting(d: Path) -> None:
-    assert not (d / "m.safetensors").exists()
+    # the one command that succeeds (validation on training rows: a warning) wrote its posterior
+    assert (d / "p.safetensors").exists()
 
 
 CHECKS = {

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The methods (docs/methods/*.md): one fit of each family on the same checkpoint, each tuned on the
-# validation split, then all compared in one report. Run by tests/test_docs.py.
+# validation split, then all compared in one report (GGP VI, BBB and all-layer Laplace fit once per
+# δ candidate or run the net per input: minutes even on digits, so not here). Run by tests/test_docs.py.
 test -f model.safetensors || bayescli train --model builtin:small-cnn --data digits:train --out model.safetensors
 # --8<-- [start:laplace]
 bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
     --hessian diag --out laplace-diag.safetensors --quiet
 bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
     --prior-precision auto --out laplace-marglik.safetensors --quiet
-bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
-    --subset all --hessian diag --out laplace-all.safetensors --quiet
 # --8<-- [end:laplace]
 # --8<-- [start:vi]
 bayescli fit-vi --method mnvi --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
@@ -19,8 +18,6 @@ bayescli fit-vi --method dirichlet-fvi --model builtin:small-cnn --checkpoint mo
     --data digits:train --out dirichlet-fvi.safetensors --quiet
 bayescli fit-vi --method glm-vi --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
     --out glm-vi.safetensors --quiet
-bayescli fit-vi --method ggp-vi --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
-    --set epochs=10 --out ggp-vi.safetensors --quiet
 # --8<-- [end:vi]
 # --8<-- [start:compare]
 bayescli evaluate --posterior laplace-diag.safetensors --posterior laplace-marglik.safetensors \

@@ -12,9 +12,7 @@ import bayescli
 def mlp(input_dim: int, output_dim: int, hidden: int = 64) -> nn.Module:
     """An MLP on flattened images; ``input_dim`` and ``output_dim`` have no defaults, so
     ``--model-arg`` must give them."""
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, output_dim)
-    )
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, output_dim))
 
 
 class WithFeatures(nn.Module):

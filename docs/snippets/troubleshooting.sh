@@ -24,5 +24,4 @@ bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors --
 # --8<-- [start:runtime]
 bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors --data digits:train \
     --device cuda:3 --out p.safetensors  # exit 2
-torchrun --nproc_per_node 2 -m bayescli train --data digits:train --out m.safetensors  # exit 2
 # --8<-- [end:runtime]
