@@ -58,9 +58,12 @@ def _check_quickstart(d: Path) -> None:
 def _check_tour(d: Path) -> None:
     for name in ("model.safetensors", "posterior.safetensors", "dirichlet.safetensors"):
         assert (d / name).exists()
-    assert {"summary", "rows"} <= set(_json(d / "pred.json"))
-    assert "mean_k" in _json(d / "topk.json")["summary"]
-    assert "coverage" in json.dumps(_json(d / "conformal.json"))
+    pred = _json(d / "pred.json")
+    assert pred["link"] == "probit" and {"predicted", "max_prob"} <= set(pred["rows"][0])
+    topk = _json(d / "topk.json")
+    assert "mean_k" in topk["summary"] and len(topk["sets"]) == len(pred["rows"])
+    conformal = _json(d / "conformal.json")
+    assert "coverage" in json.dumps(conformal) and len(conformal["sets"]) == len(pred["rows"])
 
 
 def _check_checkpoints(d: Path) -> None:
