@@ -37,10 +37,11 @@ SNIPPETS = ROOT / "docs" / "snippets"
 OUTPUT = SNIPPETS / "output"
 _MARK = re.compile(r"^#\s*--8<--\s*\[(start|end):([\w-]+)\]\s*$")
 _EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
-# The fast variant the tests run: training commands train for fewer epochs and `select` compares
+# The fast variant the tests run: training and VI fits run fewer epochs and `select` compares
 # three methods, not the default seven (the recorded outputs are of the commands as shown).
 FAST_ARGS = {
     "bayescli train": ["--epochs", "3"],
+    "bayescli fit-vi": ["--epochs", "2"],
     "bayescli select": ["--methods", "laplace-kron,mnvi,temperature"],
 }
 # Scripts whose shown commands train the checkpoint themselves; the others' set-up line trains one
