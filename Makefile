@@ -18,7 +18,7 @@ GPU_SLICE ?= tests/test_emulated_cuda.py \
   "tests/test_defaults.py::test_default_fit_with_validation_data_is_no_worse_than_map[laplace]" \
   "tests/test_defaults.py::test_default_fit_with_validation_data_is_no_worse_than_map[temperature]"
 
-.PHONY: demo test test-gpu gpu-check lint bench env install clean
+.PHONY: demo test test-gpu gpu-check lint docs docs-serve bench env install clean
 
 env:
 	@bash scripts/env.sh
@@ -27,7 +27,8 @@ demo:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/bayescli" demo --out-dir $(DEMO_DIR)
 
 test:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples && "$$V/bin/python" -m pytest -q tests \
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples scripts docs/snippets \
+	  && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs build --strict --quiet && "$$V/bin/python" -m pytest -q tests \
 	  && BAYESCLI_EMULATE_GPU=1 "$$V/bin/python" -m pytest -q $(GPU_SLICE)
 
 test-gpu:
@@ -37,7 +38,16 @@ gpu-check:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" scripts/gpu_check.py
 
 lint:
-	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples
+	@V="$(ENV)" && test -n "$$V" && "$$V/bin/ruff" check bayescli tests benchmarks examples scripts docs/snippets
+
+# The docs site (mkdocs.yml) into site/, strict: what `make test` builds too. The guides' commands
+# and outputs come from docs/snippets/ (scripts/docs_snippets.py), the generated pages from
+# scripts/docs_gen.py; tests/test_docs.py checks both are current.
+docs:
+	@V="$(ENV)" && test -n "$$V" && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs build --strict
+
+docs-serve:
+	@V="$(ENV)" && test -n "$$V" && NO_MKDOCS_2_WARNING=1 "$$V/bin/python" -m mkdocs serve
 
 bench:
 	@V="$(ENV)" && test -n "$$V" && "$$V/bin/python" benchmarks/run.py
@@ -53,4 +63,4 @@ install:
 	fi
 
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) .pytest_cache site

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The project's environment, in two parts:
 #  - shared, dependencies only: $BAYESCLI_ENV_ROOT/venv-<key> (default ~/.cache/bayescli), keyed by
-#    the Python version and pyproject.toml's dependency list, so torch (~5 GB) is installed once per
+#    the Python version and pyproject.toml's dependency list (`dependencies` and the `dev` and `docs`
+#    extras: `make test` lints, tests and builds the docs), so torch (~5 GB) is installed once per
 #    machine and list; never holds bayescli itself, so it cannot run one clone's code for another.
 #  - per clone: .venv/ in this clone, a light venv of the same interpreter that sees the shared
-#    site-packages and this clone's bayescli/, with bin/bayescli, bin/pytest and bin/ruff. Rebuilt
+#    site-packages and this clone's bayescli/, with bin/bayescli, bin/pytest, bin/torchrun and
+#    bin/ruff. Rebuilt
 #    (in well under a second) when the shared environment, the clone's path or this layout changes.
 # Prints the per-clone environment's path on stdout; all progress goes to stderr.
 # `scripts/env.sh --shared` prints the shared environment's path and builds nothing.
@@ -16,14 +18,15 @@ root=${BAYESCLI_ENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/bayescli}
 deps=$("$python" - "$here/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(sorted(p["dependencies"]) + sorted(p["optional-dependencies"]["dev"])))
+extras = p["optional-dependencies"]
+print("\n".join(sorted(p["dependencies"]) + sorted(extras["dev"]) + sorted(extras["docs"])))
 PY
 )
 key=$(printf '%s\n%s\n' "$("$python" -c 'import sys; print(sys.version)')" "$deps" | sha256sum | cut -c1-16)
 venv="$root/venv-$key"
 if [ "${1:-}" = --shared ]; then echo "$venv"; exit 0; fi
 clone="$here/.venv"
-stamp="bayescli-env 1 $venv $here"
+stamp="bayescli-env 2 $venv $here"
 
 locked=
 lock() {  # one build at a time per shared environment (clones and makes running side by side)
@@ -94,11 +97,13 @@ with open(os.path.join(site, "_bayescli_clone.pth"), "w") as f:
     f.write(here + "\n")
 with open(os.path.join(site, "_bayescli_shared.pth"), "w") as f:
     f.write(f"import site; site.addsitedir({shared!r})\n")
-# Console scripts as pip writes them, for pyproject's [project.scripts] and pytest; through /bin/sh
+# Console scripts as pip writes them, for pyproject's [project.scripts], pytest and torchrun (which
+# must start this clone's python: `torchrun -m bayescli` runs sys.executable); through /bin/sh
 # where the kernel would not take the shebang.
 site_mod.addsitedir(shared)
 scripts = tomllib.load(open(os.path.join(here, "pyproject.toml"), "rb"))["project"].get("scripts", {})
-scripts.update({e.name: e.value for e in entry_points(group="console_scripts", name="pytest")})
+for tool in ("pytest", "torchrun"):
+    scripts.update({e.name: e.value for e in entry_points(group="console_scripts", name=tool)})
 python = os.path.join(clone, "bin", "python")
 if len(python) < 120 and " " not in python:
     head = f"#!{python}\n"
