@@ -69,7 +69,8 @@ class SigmoidLinkOutput:
     ``mutual_information`` (``H_b(probs) − expected_entropy``) for ``mc`` and ``beta``; float64
     ``log_odds`` ``s`` with ``probs = sigmoid(s)`` for every link (``none`` and ``probit``: a
     scaled mean; ``mc``: ``log mean σ(z) − log mean σ(−z)`` over the draws; ``beta``: its mean's,
-    :func:`~bayescli.posterior.vi.bernoulli_expectations.log_mean_sigmoid`), so the per-label NLL from ``log sigmoid(±s)`` is exact where ``probs`` round to 0 or 1."""
+    :func:`~bayescli.posterior.vi.bernoulli_expectations.log_mean_sigmoid`), so the per-label NLL
+    from ``log sigmoid(±s)`` is exact where ``probs`` round to 0 or 1."""
 
     probs: torch.Tensor
     alpha: torch.Tensor | None = None
