@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -123,6 +124,8 @@ def test_select_cli_with_the_same_seed_gives_the_same_leaderboard(cli, digits_ck
                   "--out-dir", out)  # fmt: skip
         assert res.code == 0, res.err
         assert "tuned by" in res.out and "methods tuned by validation ece" in res.out
+        for method in ("laplace-diag", "temperature"):  # its row's "tuned by" cell
+            assert re.search(rf"{method}\b.*│\s*ece\s*│[^│]*│\s*$", res.out, re.MULTILINE), res.out
         boards.append(json.loads((out / "leaderboard.json").read_text()))
     assert _untimed(boards[0]) == _untimed(boards[1])
     assert boards[0]["tuned_by"] == "ece"
