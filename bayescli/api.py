@@ -407,13 +407,14 @@ def select(
     batch_size: int = 256,
     out_dir: str | Path | None = None,
     precision: str = "fp32",
+    seed: int = 0,
 ) -> tuple[dict, dict[str, Posterior]]:
     """Which posterior should ``model`` use? Fit every method (default: ``select``'s list) on one
-    backbone pass of ``data``, each tuned on the held-out ``val``, score them and MAP on ``val``
-    (and AUROC against each ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` |
-    ``brier`` | ``auroc``). Returns the leaderboard (``bayescli select``'s ``leaderboard.json``)
-    and the posteriors by method; ``out_dir`` also writes their files. ``precision``: the feature
-    pass's, as in :func:`fit`."""
+    backbone pass of ``data``, each tuned on the held-out ``val`` by ``select_by`` (by ``nll`` when
+    ranking by ``auroc``) with ``seed``, score them and MAP on ``val`` (and AUROC against each
+    ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` | ``brier`` | ``auroc``). Returns
+    the leaderboard (``bayescli select``'s ``leaderboard.json``) and the posteriors by method;
+    ``out_dir`` also writes their files. ``precision``: the feature pass's, as in :func:`fit`."""
     from bayescli.model_selection import DEFAULT_METHODS, SelectOptions
     from bayescli.model_selection import select as run_select
 
@@ -430,7 +431,7 @@ def select(
         name: as_data(d, name=name, preprocess=loaded.preprocess).drop_labels() for name, d in sets.items()
     }
     source = FitSource(loaded, fit_data, val_data, device, batch_size)
-    options = SelectOptions(list(methods or DEFAULT_METHODS), select_by)
+    options = SelectOptions(list(methods or DEFAULT_METHODS), select_by, seed=seed)
     board, posts = run_select(source, ood_sets, options, out_dir=None if out_dir is None else Path(out_dir))
     for post in posts.values():
         post.model, post.fit_data, post.val_data = loaded, fit_data, val_data

@@ -29,6 +29,7 @@ from bayescli.metrics import low_accuracy_warning
 from bayescli.models import LoadedModel, load_classifier
 from bayescli.options import Precision, Subset
 from bayescli.posterior.base import Posterior
+from bayescli.posterior.selection import FIXED, Selection
 from bayescli.preprocess import Preprocess
 from bayescli.registry import create_settings, fit_function, method_entry
 
@@ -204,10 +205,8 @@ def fit_posterior(
         post = fit_function(method)(source, settings)
     post.meta.setdefault("fit_seconds", time.perf_counter() - start)
     record_provenance(post, source.model, source.data, source.val)
-    if source.val is None:
+    if post.selection is None:  # a method that records no selection validated nothing
         post.meta["validated"] = False
-    else:
-        post.meta["validated"] = bool((post.meta.get("selection") or {}).get("validated"))
     correct, n = source.map_counts()
     if parallel.world().distributed:
         summed = parallel.all_reduce_sum(torch.tensor([correct, n], dtype=torch.float64)).tolist()
@@ -238,23 +237,24 @@ class FitRun:
 
     def facts(self) -> dict:
         """Scalar facts for a summary table."""
-        sel = self.posterior.meta.get("selection") or {}
+        sel = self.posterior.selection
         out = {
             "precision": self.posterior.meta.get("precision"),
             "map_accuracy": self.posterior.meta.get("map_accuracy"),
             "validation": self.val.spec if self.val is not None else None,
         }
-        if sel:
-            out |= {f"chosen {sel.get('setting')}": sel.get("chosen"), "chosen by": _chosen_by(sel)}
-        if self.val is None and sel.get("method") != "fixed":
+        if sel is not None:
+            out |= {f"chosen {sel.setting}": sel.chosen, "chosen by": chosen_by(sel)}
+        if self.val is None and (sel is None or sel.how != FIXED):
             out["validated"] = NOT_VALIDATED
         return out
 
 
-def _chosen_by(sel: dict) -> str:
-    if sel.get("validated"):
-        return f"validation {sel.get('criterion')}"
-    return "given" if sel.get("method") == "fixed" else f"default: {sel.get('rule')}"
+def chosen_by(sel: Selection) -> str:
+    """How ``sel``'s value was set, for a summary: ``validation nll``, ``given``, ``default: …``."""
+    if sel.validated:
+        return f"validation {None if sel.criterion is None else sel.criterion.value}"
+    return "given" if sel.how == FIXED else f"default: {sel.rule}"
 
 
 def fit_from_specs(

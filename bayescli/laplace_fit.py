@@ -21,6 +21,7 @@ labels of per-label scores, and ``link`` is a sigmoid link (``probit`` by defaul
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -147,8 +148,8 @@ def fit(source: FitSource, settings: LaplaceSettings) -> LaplacePosterior:
 
     Last layer: the fitting set's features are streamed (one batch in memory, or read from
     ``source``'s memo when another method already extracted them). All layers: pixel batches.
-    The record of how δ was chosen is ``meta["prior"]`` (value, method, curve) and
-    ``meta["selection"]`` (validated or not, as every method writes it).
+    How δ was chosen is ``post.selection`` (validated or not, as every method records it; its
+    ``prior`` block is the file's ``prior`` entry: method, curve, …).
     """
     s = settings
     start = time.perf_counter()
@@ -186,16 +187,24 @@ def fit(source: FitSource, settings: LaplaceSettings) -> LaplacePosterior:
     if validate:
         _select_prior(post, source, s)
         post.meta["fit_seconds"] = time.perf_counter() - start  # the curvature and the selection
-    elif isinstance(rule, float):
-        post.meta["selection"] = unvalidated("prior_precision", rule, "given", fixed=True)
+        return post
+    if isinstance(rule, float):
+        post.selection = unvalidated("prior_precision", rule, "given", fixed=True)
     else:
-        post.meta["selection"] = unvalidated(
+        post.selection = unvalidated(
             "prior_precision",
             post.prior_precision,
             "Laplace marginal likelihood (no validation data: pass val to choose δ on held-out data)",
             fixed=rule is PriorRule.MARGLIK,
         )
+    post.selection.prior = _prior_block(post)
     return post
+
+
+def _prior_block(post: LaplacePosterior) -> dict:
+    """The ``prior`` record :meth:`LaplacePosterior.set_prior_precision` left in ``meta``, moved
+    to the selection (less its ``value``: the file writes the posterior's δ)."""
+    return {k: v for k, v in post.meta.pop("prior", {}).items() if k != "value"}
 
 
 def _select_prior(post: LaplacePosterior, source: FitSource, s: LaplaceSettings) -> None:
@@ -227,7 +236,9 @@ def select_prior(
 
     The default grid runs through the current δ (marglik's, as fitted) in steps of
     10^(1/:data:`STEPS_PER_DECADE`) from :data:`DECADES_BELOW` decades below it up to the MAP limit
-    (:func:`map_limit`). The record goes to ``meta["prior"]`` and ``meta["selection"]``.
+    (:func:`map_limit`). The candidates are scored on a copy of ``post``'s Gaussian, so ``post``
+    changes once, to the chosen δ; the record is ``post.selection`` (its ``prior`` block, the
+    file's ``prior`` entry, names the criterion).
     """
     s = settings
     labels = val.labels.to(val.phi.device)
@@ -237,11 +248,12 @@ def select_prior(
         ratio = 10.0 ** (1.0 / STEPS_PER_DECADE)
         high = max(0, math.ceil(math.log(upper / marglik, ratio)))
         grid = [marglik * ratio**i for i in range(-DECADES_BELOW * STEPS_PER_DECADE, high + 1)]
+    scorer = _scoring_copy(post)
 
     def candidate(delta: float) -> tuple[LaplacePosterior, Scored]:
-        post.gaussian.with_delta(delta)
+        scorer.gaussian.with_delta(delta)
         pred = predict(
-            post,
+            scorer,
             val,
             s.predictive,
             s.link,
@@ -252,7 +264,7 @@ def select_prior(
             batch_size=batch_size,
         )
         log_odds = None if pred.per_label is None else pred.per_label.log_odds
-        return post, Scored(pred.probs, pred.log_probs, log_odds)
+        return scorer, Scored(pred.probs, pred.log_probs, log_odds)
 
     _, sel = select_on_grid(
         "prior_precision",
@@ -266,12 +278,22 @@ def select_prior(
         map_side="high",
     )
     curve = [[row["prior_precision"], row[s.select_by.value]] for row in sel.curve]
-    post.set_prior_precision(sel.chosen, "val-nll", curve)
-    post.meta["prior"]["objective"] = f"validation {s.select_by.value} ({s.predictive.value}, {s.link.value})"
-    post.meta["prior"]["marglik"] = marglik
-    post.meta["prior"].pop("warning", None)  # the selection's own warning says more
-    post.meta["selection"] = sel.record()
+    post.selection = None  # this choice replaces any earlier record
+    post.set_prior_precision(sel.chosen, f"val-{s.select_by.value}", curve)
+    sel.prior = _prior_block(post)
+    sel.prior["objective"] = f"validation {s.select_by.value} ({s.predictive.value}, {s.link.value})"
+    sel.prior["marglik"] = marglik
+    sel.prior.pop("warning", None)  # the selection's own warning says more
+    post.selection = sel
     return sel
+
+
+def _scoring_copy(post: LaplacePosterior) -> LaplacePosterior:
+    """``post`` with a Gaussian of its own: setting the copy's δ leaves ``post`` as it is (δ's
+    refresh rebinds the derived tensors; the mean and curvature are shared, read only)."""
+    scorer = copy.copy(post)
+    scorer.gaussian = copy.copy(post.gaussian)
+    return scorer
 
 
 def map_limit(
@@ -285,21 +307,21 @@ def map_limit(
     variance is ≤ :data:`MAP_LIMIT_VARIANCE` (there the GLM predictive is MAP's to ~1e-5 NLL).
 
     Once δ dominates the curvature the logit variance falls as 1/δ, so each evaluation predicts
-    the factor still needed; the loop confirms it at the limit itself."""
-    start = post.prior_precision
+    the factor still needed; the loop confirms it at the limit itself. ``post`` is left as it is
+    (the variances are those of a copy's Gaussian)."""
+    scorer = _scoring_copy(post)
 
     def largest_variance(delta: float) -> float:
-        post.gaussian.with_delta(delta)
-        if post.needs_inputs:
-            parts = [post.logit_gaussian_inputs(classifier, x) for x, _ in val_data.batches(batch_size)]
+        scorer.gaussian.with_delta(delta)
+        if scorer.needs_inputs:
+            parts = [scorer.logit_gaussian_inputs(classifier, x) for x, _ in val_data.batches(batch_size)]
             return float(torch.cat([p.var for p in parts]).max())
-        return float(post.logit_gaussian(val.phi).var.max())
+        return float(scorer.logit_gaussian(val.phi).var.max())
 
-    delta = start
+    delta = post.prior_precision
     for _ in range(6):
         v = largest_variance(delta)
         if v <= MAP_LIMIT_VARIANCE:
             break
         delta *= 10.0 ** math.ceil(math.log10(v / MAP_LIMIT_VARIANCE))
-    post.gaussian.with_delta(start)
     return delta

@@ -2,11 +2,14 @@
 
 One :class:`~bayescli.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
 backbone features are computed once and shared by every method. Each method is fitted with its
-defaults, so its key hyperparameter is chosen on the validation set (:mod:`bayescli.posterior.selection`);
-every posterior, and MAP beside them, is then scored on that same validation set (accuracy, NLL, ECE,
-Brier, and AUROC of its max-probability score against each OOD set). The best by ``criterion`` is
-the recommendation. Choosing by AUROC uses the OOD sets, as OpenOOD's protocol does, and the
-leaderboard says so.
+defaults, so its key hyperparameter is chosen on the validation set (:mod:`bayescli.posterior.selection`)
+by the same ``criterion`` the methods are ranked by (NLL when ranking by AUROC, which no method tunes
+by) and with the run's ``seed``, unless a method's own settings say otherwise; every posterior, and
+MAP beside them, is then scored on that same validation set (accuracy, NLL, ECE, Brier, and AUROC of
+its max-probability score against each OOD set). The best by ``criterion`` is the recommendation.
+Choosing by AUROC uses the OOD sets, as OpenOOD's protocol does, and the leaderboard says so; each
+row says which criterion tuned the method (``tuned_by``), the board which one ranked them
+(``criterion``).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from bayescli.metrics import (
     nll,
     ood_metrics,
 )
-from bayescli.options import Predictive
+from bayescli.options import Criterion, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
 from bayescli.progress import stage
-from bayescli.registry import method_entry
+from bayescli.registry import method_entry, setting_fields
 
 DEFAULT_METHODS = ("laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature")
 CRITERIA = ("nll", "ece", "brier", "auroc")
@@ -63,6 +66,19 @@ class SelectOptions:
         require(bool(self.methods), "select needs at least one method")
         for name in self.methods:
             method_entry(name)  # an unknown name is an error listing the known ones
+
+    @property
+    def tune_by(self) -> Criterion:
+        """The validation criterion every method tunes its key setting by: the ranking criterion,
+        or NLL when ranking by AUROC (a score of OOD data, which no method tunes by)."""
+        return Criterion.NLL if self.criterion == "auroc" else Criterion(self.criterion)
+
+    def method_settings(self, name: str) -> dict:
+        """The setting values ``name`` is fitted with: ``select_by`` (:attr:`tune_by`) and
+        ``seed`` where its settings have them, under the values given for it in ``settings``."""
+        fields = setting_fields(name)
+        shared = {"select_by": self.tune_by, "seed": self.seed}
+        return {k: v for k, v in shared.items() if k in fields} | self.settings.get(name, {})
 
 
 def score_probs(
@@ -118,7 +134,7 @@ def select(
     for i, name in enumerate(opts.methods, 1):
         stage(f"fit and score {name} ({i}/{len(opts.methods)})")
         start = time.perf_counter()
-        post = fit_posterior(name, source, data_options=data_options, **opts.settings.get(name, {}))
+        post = fit_posterior(name, source, data_options=data_options, **opts.method_settings(name))
         seconds = time.perf_counter() - start
 
         def probs_of(feats: object, data: Data, post: Posterior = post) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +157,12 @@ def select(
             **score_probs(probs, labels, logp),
             "auroc": {n: _auroc(logp, probs_of(f, ood[n])[1]) for n, f in ood_feats.items()},
             "hyperparameters": _chosen(post),
+            "tuned_by": _tuned_by(post),
             "fit_seconds": seconds,
             "predictive": f"glm-{post.default_link.value}",
         }
         row["mean_auroc"] = _mean(row["auroc"])
-        warning = (post.meta.get("selection") or {}).get("warning")
+        warning = None if post.selection is None else post.selection.warning
         if warning:
             row["warning"] = warning
         rows[name], posteriors[name] = row, post
@@ -158,6 +175,7 @@ def select(
         "kind": "select",
         "bayescli_version": __version__,
         "criterion": opts.criterion,
+        "tuned_by": opts.tune_by.value,
         "used_ood_for_choice": opts.criterion == "auroc",
         "model": source.model.describe(),
         "precision": source.model.precision.value,  # of the one backbone pass the methods share
@@ -181,15 +199,26 @@ def select(
 
 def _chosen(post: Posterior) -> dict:
     """The hyperparameters selection chose, and whether the result is the MAP point itself."""
-    sel = post.meta.get("selection") or {}
-    out = {"validated": bool(sel.get("validated"))}
-    if sel.get("setting"):
-        out[sel["setting"]] = sel.get("chosen")
+    sel = post.selection
+    if sel is None:
+        return {"validated": False, "map_point": False, "map_fallback": False}
+    out: dict = {"validated": sel.validated}
+    if sel.setting:
+        out[sel.setting] = sel.chosen
     # the grid's MAP end was best, or no value beat MAP and the method fell back to the MAP point
-    fallback = bool(sel.get("map_fallback")) or ("map_limit" in sel and sel.get("chosen") == 0.0)
-    out["map_point"] = fallback or bool(sel.get("map_point"))
+    fallback = sel.map_fallback or ("map_limit" in sel.extra and sel.chosen == 0.0)
+    out["map_point"] = fallback or sel.map_point
     out["map_fallback"] = fallback
     return out
+
+
+def _tuned_by(post: Posterior) -> str | None:
+    """The validation criterion that chose ``post``'s key setting (``None``: not chosen on
+    held-out data, e.g. given in its settings)."""
+    sel = post.selection
+    if sel is None or not sel.validated or sel.criterion is None:
+        return None
+    return sel.criterion.value
 
 
 def _mean(values: dict[str, float]) -> float | None:

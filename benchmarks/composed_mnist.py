@@ -88,7 +88,7 @@ def table(model: str, ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict
                 "auroc_max_sigmoid": auroc["max_sigmoid"]["auroc"],
                 "auroc_mi_max": auroc.get("neg_mi_max", {}).get("auroc"),
                 "fit_s": seconds.get(tag),
-                "chosen": posts[tag].meta.get("selection", {}).get("chosen") if tag in posts else None,
+                "chosen": posts[tag].selection.chosen if tag in posts and posts[tag].selection else None,
             }
         )
     return rows

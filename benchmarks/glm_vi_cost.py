@@ -73,7 +73,7 @@ def main() -> None:
     wall, cpu = time.perf_counter(), cpu_seconds()
     post = glm_vi.fit(source, glm_vi.GLMVIConfig())
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-    sel = post.meta["selection"]
+    sel = post.selection.record()
     rows = f"{args.rows} fitting rows ({'no' if args.no_val else N_VAL} validation)"
     print(f"glm-vi {D}→{K}, {rows}; {setup_threads()}")
     candidates = len(sel.get("curve", [])) or 1

@@ -124,7 +124,7 @@ def main() -> None:
     start = time.perf_counter()
     post = fit(FitSource(model, train, val, device=cpu), MNVIConfig())
     times["post-hoc select"] = time.perf_counter() - start
-    sel = post.meta["selection"]
+    sel = post.selection.record()
     print(f"select (val test[5000:6000]): κ/N {sel['chosen']:.3g}, σ² {sel['fixed']['prior_var']:.3g}; "
           f"MAP val NLL {sel['map_validation']['nll']:.4f}; val NLL grid: "
           + ", ".join(f"{r['kl_weight']:.2g} {r['nll']:.4f}" for r in sel["curve"]))  # fmt: skip

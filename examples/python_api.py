@@ -39,8 +39,8 @@ net.eval()
 laplace = bayescli.fit(net, loader(train), "laplace", val=loader(val))  # δ chosen on val
 mnvi = bayescli.fit(net, loader(train), "mnvi", val=loader(val))  # κ chosen on val
 for post in (laplace, mnvi):
-    sel = post.meta["selection"]
-    print(f"{post.method}: {sel['setting']} = {sel['chosen']:.4g} by validation {sel['criterion']}")
+    sel = post.selection
+    print(f"{post.method}: {sel.setting} = {sel.chosen:.4g} by validation {sel.criterion.value}")
 
 pred = laplace.predict(loader(test))  # GLM predictive, probit link
 print("probs", tuple(pred.probs.shape), "logit variance", tuple(pred.logit_var.shape))

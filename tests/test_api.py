@@ -76,9 +76,9 @@ def test_fit_on_a_module_and_loader_matches_the_cli(method, digits_ckpt, digits_
     for name, tensor in post.tensors().items():
         torch.testing.assert_close(tensor.cpu(), cli_tensors[name], rtol=1e-6, atol=1e-6, msg=name)
     assert set(post.tensors()) == set(cli_tensors)
-    chosen = post.meta["selection"].get("chosen")
-    assert chosen == pytest.approx(from_cli.meta["selection"].get("chosen"), rel=1e-6)
-    assert post.meta["selection"]["validated"] is True
+    chosen = post.metadata()["selection"].get("chosen")
+    assert chosen == pytest.approx(from_cli.metadata()["selection"].get("chosen"), rel=1e-6)
+    assert post.metadata()["selection"]["validated"] is True
 
 
 def test_methods_and_settings():
@@ -108,14 +108,14 @@ def test_methods_and_settings():
 def test_predict_save_and_load_a_module_only_in_memory(digits_parts, tmp_path):
     module, preprocess, loaders = digits_parts
     post = bayescli.fit(module, loaders["train"], "laplace", preprocess=preprocess, prior_precision=5.0)
-    assert post.meta["selection"] == {
+    assert post.metadata()["selection"] == {
         "method": "fixed",
         "validated": False,
         "setting": "prior_precision",
         "chosen": 5.0,
         "rule": "given",
     }
-    assert post.meta["validated"] is False
+    assert post.metadata()["validated"] is False
     pred = post.predict(loaders["val"])
     n = len(loaders["val"].dataset)
     assert pred.probs.shape == (n, 10) and pred.logit_var.shape == (n, 10)

@@ -52,7 +52,7 @@ def test_small_cnn_reaches_95_percent_on_digits(digits_ckpt):
 
 def test_fit_predict_flow(cli, digits_posterior, tmp_path):
     post = LaplacePosterior.load(digits_posterior)
-    assert post.structure == "kron" and post.meta["prior"]["method"] == "marglik"
+    assert post.structure == "kron" and post.metadata()["prior"]["method"] == "marglik"
     for key in ("checkpoint_sha256", "model", "data", "class_names", "num_classes", "bayescli_version"):
         assert key in post.metadata()
     out = tmp_path / "pred.json"
@@ -187,7 +187,7 @@ def test_all_layer_and_val_nll(cli, tmp_path):
     )
     assert res.code == 0, res.err
     loaded = LaplacePosterior.load(post)
-    assert loaded.subset.value == "all" and loaded.meta["prior"]["method"] == "val-nll"
+    assert loaded.subset.value == "all" and loaded.metadata()["prior"]["method"] == "val-nll"
     res = cli("predict", "--posterior", post, "--data", "digits:test", "--limit", "40", "--json")
     assert res.code == 0 and json.loads(res.out)["results"]["glm-probit"]["accuracy"] > 0.7
     res = cli(

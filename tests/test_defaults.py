@@ -57,7 +57,7 @@ def _nll(cli, posterior, data):
 def test_default_fit_with_validation_data_is_no_worse_than_map(method, cli, digits_ckpt, tmp_path):
     res, post = _fit(cli, method, digits_ckpt, tmp_path, "--val-data", "digits:val", "--quiet")
     assert res.code == 0, res.err
-    assert load_posterior(post).meta["selection"]["validated"] is True
+    assert load_posterior(post).metadata()["selection"]["validated"] is True
     map_val, val = _nll(cli, post, "digits:val")
     map_test, test = _nll(cli, post, "digits:test")
     print(f"{method}: val {val:.5f} (MAP {map_val:.5f}), test {test:.5f} (MAP {map_test:.5f})")
@@ -81,7 +81,7 @@ def test_without_held_out_data_the_summary_says_nothing_was_validated(method, cl
     summary = json.loads(res.out)
     assert summary["validated"].startswith("nothing was validated") and "--val-data" in summary["validated"]
     assert "warning: nothing was validated" in res.err
-    sel = load_posterior(out).meta["selection"]
+    sel = load_posterior(out).metadata()["selection"]
     assert sel["validated"] is False and sel["method"] == "default" and sel["rule"]
 
 
@@ -104,7 +104,7 @@ def test_val_split_carves_a_seeded_disjoint_validation_set(cli, digits_ckpt, tmp
     post = load_posterior(out)
     n = len(load_data("digits:test"))
     n_val = round(0.25 * n)
-    assert post.n_data == n - n_val and post.meta["selection"]["validated"] is True
+    assert post.n_data == n - n_val and post.metadata()["selection"]["validated"] is True
     assert post.meta["validation_data"]["val_split"] == 0.25 and post.meta["data"]["val_split"] == 0.25
     assert json.loads(res.out)["validation"] == "digits:test"
     # the carve partitions the rows, seeded

@@ -417,14 +417,14 @@ def test_post_hoc_families_fit_save_and_load(family, mlp_ckpt, tmp_path):
     assert lg.alpha.shape == (50, 10) and lg.cov.shape == (50, 10, 10)
     # no validation data: the seed's effective KL weight at this N (τ = N/60,000 for K = 10)
     assert post.members == (1 if family == "map" else 3) and post.tau == len(train) / 60_000
-    assert post.meta["selection"] == {
+    assert post.metadata()["selection"] == {
         "method": "default",
         "validated": False,
         "setting": "tau",
         "chosen": post.tau,
         "rule": PRINCIPLED_RULE,
     }
-    assert {"history", "fit_seconds", "selection", "config"} <= set(post.meta)
+    assert {"history", "fit_seconds", "config"} <= set(post.meta) and post.selection is not None
     assert math.isfinite(post.meta["history"][-1]["loss"])
     post.save(tmp_path / "p.safetensors")
     back = load_posterior(tmp_path / "p.safetensors")
@@ -448,10 +448,10 @@ def test_explicit_tau_is_used_as_given_and_select_false_skips_validation(mlp_ckp
     model = load_classifier("builtin:mlp", mlp_ckpt)
     source = FitSource(model, load_data("digits:train"), load_data("digits:val"))
     post = fit(source, DirichletFVIConfig(family="map", tau=0.3, epochs=1))
-    assert post.tau == 0.3 and post.meta["selection"]["method"] == "fixed"
-    assert not post.meta["selection"]["validated"]
+    assert post.tau == 0.3 and post.metadata()["selection"]["method"] == "fixed"
+    assert not post.metadata()["selection"]["validated"]
     post = fit(source, DirichletFVIConfig(family="map", epochs=1, select=False))
-    assert post.meta["selection"]["method"] == "default"
+    assert post.metadata()["selection"]["method"] == "default"
     assert not source.has_features(source.val)  # neither fit needed the validation features
 
 
@@ -523,7 +523,7 @@ def test_from_scratch_select_trains_one_network_per_grid_point_and_keeps_the_bes
         family="map", epochs=1, batch_size=128, model_kwargs="hidden=8,depth=1", select=True
     )
     clf, meta, post = scratch.train("builtin:mlp", train, val, cfg, CPU)
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     assert record["validated"] and record["extensions"] == 0  # each point is a training run
     assert record["grid"] == [default_tau(10) * f for f in TAU_GRID] and meta["training"]["tau"] == post.tau
     best = min(record["curve"], key=lambda row: row["nll"])
@@ -532,7 +532,7 @@ def test_from_scratch_select_trains_one_network_per_grid_point_and_keeps_the_bes
     # the returned network and posterior are the chosen run's: its validation NLL, recomputed
     assert_close(dirichlet_nll(alpha, val.y), best["nll"], rtol=1e-12, what="validation NLL of the kept run")
     without = scratch.train("builtin:mlp", train, val, dataclasses.replace(cfg, select=None), CPU)[2]
-    assert without.tau == default_tau(10) and without.meta["selection"]["method"] == "default"
+    assert without.tau == default_tau(10) and without.metadata()["selection"]["method"] == "default"
 
 
 def test_parsing_and_bad_input(mlp_ckpt):

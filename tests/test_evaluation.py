@@ -13,6 +13,7 @@ from bayescli.evaluation.gates import check_gates, parse_gate, resolve
 from bayescli.evaluation.methods import parse_methods
 from bayescli.metrics import ece, ood_metrics, reliability, selective
 from bayescli.models import load_classifier
+from bayescli.posterior.selection import Selection
 
 
 def test_ece_on_constructed_example():
@@ -683,13 +684,13 @@ def test_a_near_zero_variance_bridge_posterior_is_explained():
             "glm-bridge": MethodOutput(torch.full((n, 2), 0.5), bridge, {}),
         }
 
-    post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": 1e8}, meta={})}
+    post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": 1e8}, meta={}, selection=None)}
     lines = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
     assert len(lines) == 1 and lines[0].startswith("glm-bridge: mean α₀ 3.1e+15") and "δ = 1e+08" in lines[0]
     assert "refit with a smaller prior precision" in lines[0]
     assert degenerate_posteriors(methods, outs(40.0, 0.02), post) == []
     # chosen on validation data: the MAP limit was the best there, so no advice to refit
-    post["post"].meta["selection"] = {"validated": True, "map_point": True}
+    post["post"].selection = Selection.from_record({"validated": True, "map_point": True})
     (line,) = degenerate_posteriors(methods, outs(3.1e15, 0.0), post)
     assert "held-out selection chose the MAP limit" in line and "refit" not in line
     assert "MAP point" in line and "on 100.0% of the inputs" in line

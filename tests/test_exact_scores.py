@@ -398,8 +398,8 @@ def test_laplace_selection_scores_each_candidate_exactly_on_a_confident_net(conf
     model = load_classifier("builtin:small-cnn", confident_ckpt)
     post = bayescli.fit(model, "digits:train", "laplace", val="digits:val",
                         settings=LaplaceSettings(hessian="diag"))  # fmt: skip
-    sel = post.meta["selection"]
-    assert sel["validated"] and "probit" in post.meta["prior"]["objective"]
+    sel = post.metadata()["selection"]
+    assert sel["validated"] and "probit" in post.metadata()["prior"]["objective"]
     val = load_data("digits:val")
     phi = extract_features(model, val).phi
     y = val.y.numpy()
@@ -421,7 +421,7 @@ def test_vi_selection_reaches_map_exactly_on_a_confident_net(confident_ckpt):
     model = load_classifier("builtin:small-cnn", confident_ckpt)
     source = FitSource(model, load_data("digits:train"), load_data("digits:val"))
     post = fit_mnvi(source, MNVIConfig(epochs=2))
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     val_nll = _oracle_nll(confident_ckpt, "digits:val")[0]
     assert abs(sel["map_validation"]["nll"] - val_nll) <= 1e-6 * val_nll
     # the grid's MAP end (start logit variances v ≤ 1e-4, 256 draws) scores MAP's exact NLL: a row's

@@ -405,7 +405,7 @@ def test_fit_on_a_checkpoint_with_each_context(digits_mlp, context):
     used = post.hyperparameters
     assert (used["batch_size"], used["lr"], used["prior_scale"], post.prior_scale) == (512, 1e-2, 1.0, 1.0)
     assert post.meta["fit_seconds"] > 0
-    assert post.meta["selection"]["method"] == "default" and not post.meta["selection"]["validated"]
+    assert post.selection.how == "default" and not post.metadata()["selection"]["validated"]
 
 
 def test_data_specs_lists_only_specs_to_load():
@@ -417,7 +417,7 @@ def test_data_specs_lists_only_specs_to_load():
 def test_explicit_prior_scale_is_used_as_given(digits_mlp):
     model, train, val = digits_mlp
     post = fit(FitSource(model, train, val), FSVIConfig(epochs=1, prior_scale=4.0))
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert post.prior_scale == 4.0 and (sel["method"], sel["validated"], sel["chosen"]) == (
         "fixed",
         False,

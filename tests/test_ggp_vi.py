@@ -137,7 +137,7 @@ def test_cli_fit_vi_ggp_vi(cli, tmp_path):
     post = load_posterior(out)
     assert isinstance(post, GGPVIPosterior) and len(post.inducing_index) == 50
     # the checkpoint records validation data, so δ is chosen on it by default
-    assert post.meta["prior"]["method"] == "val-nll" and post.meta["selection"]["validated"]
+    assert post.metadata()["prior"]["method"] == "val-nll" and post.metadata()["selection"]["validated"]
     assert post.meta["checkpoint_sha256"]
     assert cli("predict", "--posterior", out, "--data", "digits:test[:20]", "--json").code == 0
 

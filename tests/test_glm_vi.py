@@ -177,7 +177,7 @@ def test_round_trip_and_pushforward(tmp_path, subset, cov):
     model = tanh_mlp(3) if subset == "all" else linear_model(3)
     cfg = GLMVIConfig(subset=subset, covariance=cov, epochs=5)
     post = fit(FitSource(model, data), cfg)
-    assert post.meta["prior"]["method"] == "laplace-marglik"
+    assert post.metadata()["prior"]["method"] == "laplace-marglik"
     assert "Monte Carlo" in post.meta["vi"]["expectations"]
     path = tmp_path / "glmvi.safetensors"
     post.save(path)
@@ -217,12 +217,12 @@ def test_select_records_the_validation_curve():
     data, val = logistic_data(40, k=3, seed=5), logistic_data(30, k=3, seed=6)
     cfg = GLMVIConfig(epochs=10, samples=4)
     post = fit(FitSource(linear_model(3), data, val), cfg)
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["setting"] == "prior_precision" and len(sel["curve"]) >= 5
     assert sel["principled"] == post.meta["vi"]["laplace_marglik_prior_precision"]
     assert any(p["prior_precision"] == sel["principled"] for p in sel["curve"])
     assert post.prior_precision == min(sel["curve"], key=lambda p: p["nll"])["prior_precision"]
-    assert post.meta["prior"] == {
+    assert post.metadata()["prior"] == {
         "value": post.prior_precision,
         "method": "val-nll",
         "objective": "validation nll (glm predictive, 100 MC draws)",

@@ -216,8 +216,8 @@ def test_default_fit_with_validation_beats_map_per_label(multi_ckpt):
     loaded = ModelOptions("builtin:mlp", multi_ckpt).load()
     post = api.fit(loaded, "composed-digits:train", val="composed-digits:val")
     assert post.likelihood == "bernoulli" and post.metadata()["likelihood"] == "bernoulli"
-    sel = post.meta["selection"]
-    assert sel["validated"] and sel["setting"] == "prior_precision" and post.meta["validated"]
+    sel = post.metadata()["selection"]
+    assert sel["validated"] and sel["setting"] == "prior_precision" and post.metadata()["validated"]
     val = post.val_data
     feats = extract_features(loaded, val, 256, "cpu")
     pred = predict(post, feats)  # the method's default: glm, probit

@@ -347,7 +347,7 @@ def test_library_fit_laplace_diag_all_layers_and_predict(multi_ckpt):
     post = api.fit(loaded, "composed-digits:train", "laplace-diag", subset="all", prior_precision=30.0)
     assert (post.likelihood, post.subset.value, post.structure) == ("bernoulli", "all", "diag")
     assert post.n_data == len(post.fit_data) and post.log_likelihood < 0
-    assert not post.meta["selection"]["validated"]
+    assert not post.metadata()["selection"]["validated"]
     pred = post.predict("composed-digits:test", link="mc", samples=200)
     assert pred.probs.shape == pred.per_label.mutual_information.shape == (len(pred.probs), 10)
     assert (pred.logit_var > 0).all()

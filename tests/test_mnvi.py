@@ -615,7 +615,7 @@ def test_select_chooses_kl_weight_on_a_grid_from_the_principled_value_to_map():
     phi, labels, head = synthetic_features()
     cfg = MNVIConfig(epochs=1, batch_size=200, select=True)
     post = fit_features(phi[:400], labels[:400], head, cfg, phi[400:], labels[400:])
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["setting"] == "kl_weight" and sel["principled"] == pytest.approx(1 / 400)
     best = min(sel["curve"], key=lambda r: r["nll"])
     assert sel["chosen"] == best["kl_weight"] == post.config["kl_weight"]
@@ -639,7 +639,7 @@ def test_candidates_start_with_noise_proportional_to_kl_weight():
     phi, labels, head = synthetic_features()
     cfg = MNVIConfig(epochs=1, batch_size=200)
     post = fit_features(phi[:400], labels[:400], head, cfg, phi[400:], labels[400:])
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     expected = a0 * sel["chosen"] / sel["principled"]
     assert_close(
         F.softplus(torch.tensor(post.config["rho0"], dtype=torch.float64)).item(), expected, rtol=1e-12
@@ -753,7 +753,7 @@ def test_fit_all_layers_post_hoc(scratch):
     cfg = MNVIConfig(subset="all", variant="mean-and-noise", kl_weight=1e-3, epochs=1, batch_size=100)
     post = fit(FitSource(model, train.subset(slice(0, 200)), val), cfg)
     assert post.subset is Subset.ALL and "val_nll" in post.meta and len(post.meta["curve"]) == 1
-    assert post.meta["selection"]["method"] == "fixed"
+    assert post.metadata()["selection"]["method"] == "fixed"
     assert set(post.means) == {f"{k}.{p}" for k in post.rho for p in ("weight", "bias")}
     after = model.classifier.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the checkpoint is untouched
@@ -768,7 +768,7 @@ def test_all_layer_selection_reaches_the_map_limit(scratch):
     model = load_classifier("builtin:small-cnn", path)
     cfg = MNVIConfig(subset="all", epochs=1, batch_size=100)
     post = fit(FitSource(model, train.subset(slice(0, 100)), val), cfg)
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert post.subset is Subset.ALL and sel["validated"] and abs(sel["map_limit_gap"]) < 1e-3
     assert post.meta["val_nll"] == min(r["nll"] for r in sel["curve"]) <= sel["map_validation"]["nll"] + 1e-3
 

@@ -119,7 +119,7 @@ def test_marglik_auto_finds_grid_maximiser(fitted, structure):
     assert_below(
         max(values.max().item() - post.log_marglik(), 0.0), 1e-6, what=f"marglik value ({structure})"
     )
-    assert post.meta["prior"]["method"] == "marglik" and len(post.meta["prior"]["curve"]) > 10
+    assert post.metadata()["prior"]["method"] == "marglik" and len(post.metadata()["prior"]["curve"]) > 10
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])

@@ -32,7 +32,7 @@ def test_select_writes_every_posterior_the_leaderboard_and_the_best(cli, digits_
     assert best["method"] == load_tensors(out / f"{board['best']}.safetensors")[1]["method"]
     for row in rows.values():
         post = load_posterior(out / row["file"])
-        assert post.meta["selection"]["validated"] is True and row["hyperparameters"]["validated"] is True
+        assert post.selection.validated is True and row["hyperparameters"]["validated"] is True
         assert set(row["auroc"]) == {"patches"} and 0.5 < row["auroc"]["patches"] <= 1.0
     # the rows are the posteriors' validation scores: temperature's NLL from its T directly
     model = load_classifier("builtin:small-cnn", digits_ckpt)
@@ -85,7 +85,7 @@ def test_temperature_posterior_is_softmax_of_scaled_logits(digits_ckpt):
     lg = post.logit_gaussian(feats.phi)
     torch.testing.assert_close(lg.mean, feats.logits / post.temperature, rtol=1e-5, atol=1e-5)
     assert bool((lg.var == 0).all())
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert (
         sel["validated"]
         and sel["curve"]

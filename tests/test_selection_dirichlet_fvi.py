@@ -51,7 +51,7 @@ def test_default_settings_choose_tau_on_validation_no_worse_than_map(digits_ckpt
     train, val, test = splits
     source = FitSource(load_classifier("builtin:small-cnn", digits_ckpt), train, val)
     post = fit(source, DirichletFVIConfig())  # ensemble of 10, τ unset, select unset
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     principled = principled_tau(10, len(train))
     assert record["validated"] and record["criterion"] == "nll" and record["principled"] == principled
     # the grid spans τ_p and reaches 10⁻³·τ_p, where the refit is the weight-space one (module docs)
@@ -74,7 +74,7 @@ def test_on_a_well_trained_net_no_refit_beats_map_so_the_map_head_is_kept(splits
     train, val, test = splits
     source = FitSource(mlp(splits, 30, tmp_path_factory), train, val)
     post = fit(source, DirichletFVIConfig(family="map"))
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     assert post.family == "map" and post.tau == 0.0 and record["chosen"] == 0.0
     assert "MAP head" in record["warning"] and post.meta["history"] == []
     assert min(row["nll"] for row in record["curve"]) > record["map_limit"]["nll"]
@@ -90,7 +90,7 @@ def test_an_undertrained_net_gains_from_the_weight_space_refit_at_the_grid_edge(
     train, val, _ = splits
     source = FitSource(mlp(splits, 4, tmp_path_factory), train, val)
     post = fit(source, DirichletFVIConfig(family="map"))
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     assert record["extensions"] == 0 and post.tau == record["chosen"] == min(
         r["tau"] for r in record["curve"]
     )
@@ -103,7 +103,7 @@ def test_without_validation_data_tau_is_the_principled_default_and_says_so(digit
     train = splits[0]
     source = FitSource(load_classifier("builtin:small-cnn", digits_ckpt), train)
     post = fit(source, DirichletFVIConfig(family="map", epochs=1))
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     assert post.tau == record["chosen"] == pytest.approx(len(train) / 60_000, rel=1e-12)
     assert record["method"] == "default" and not record["validated"]
     assert record["rule"] == PRINCIPLED_RULE and "default_tau(K)*N/60000" in record["rule"]
@@ -113,7 +113,7 @@ def test_select_by_brier_minimises_the_brier_score(digits_ckpt, splits):
     train, val, _ = splits
     source = FitSource(load_classifier("builtin:small-cnn", digits_ckpt), train, val)
     post = fit(source, DirichletFVIConfig(family="map", epochs=2, select_by="brier"))
-    record = post.meta["selection"]
+    record = post.metadata()["selection"]
     assert record["criterion"] == "brier"
     chosen = (
         record["map_limit"] if post.tau == 0.0 else next(r for r in record["curve"] if r["tau"] == post.tau)

@@ -54,7 +54,7 @@ def test_default_selects_a_prior_scale_that_beats_map(splits, short_mlp):
     train, val, test = splits
     source = FitSource(short_mlp, train, val)
     post = fit(source, FSVIConfig())
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     grid = sel["grid"]
     assert sel["validated"] and sel["criterion"] == "nll" and "map_fallback" not in sel
     assert grid == list(PRIOR_SCALE_GRID[Subset.LAST_LAYER]) and grid[0] < sel["principled"] == 1.0 < grid[-1]
@@ -77,13 +77,13 @@ def test_a_well_trained_net_falls_back_to_map_instead_of_the_underconfident_defa
     # The reported problem: without validation data, the principled c = 1 is underconfident
     # in distribution (measured validation NLL 0.098 vs MAP 0.045).
     default = fit(FitSource(model, train), FSVIConfig())
-    record = default.meta["selection"]
+    record = default.metadata()["selection"]
     assert (record["method"], record["validated"], record["chosen"]) == ("default", False, 1.0)
     assert "principled default" in record["rule"] and "no validation data" in record["rule"]
     assert_below(_map_nll(fv) + 0.02, _nll(default, fv), what="MAP + 0.02 vs default FSVI validation NLL")
     # With validation data no grid value beats MAP (best 0.076 at c ≈ 30): the point mass at MAP.
     post = fit(source, FSVIConfig())
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["map_fallback"] and "point mass at the MAP head" in sel["warning"]
     assert (post.var == 0).all()
     head = model.classifier.head
@@ -98,10 +98,10 @@ def test_a_well_trained_net_falls_back_to_map_instead_of_the_underconfident_defa
 def test_select_false_and_explicit_values_are_not_validated(splits, short_mlp):
     train, val, _ = splits
     source = FitSource(short_mlp, train, val)
-    off = fit(source, FSVIConfig(epochs=1, select=False)).meta["selection"]
+    off = fit(source, FSVIConfig(epochs=1, select=False)).metadata()["selection"]
     assert (off["validated"], off["chosen"]) == (False, 1.0) and "select=False" in off["rule"]
     given = fit(source, FSVIConfig(epochs=1, prior_scale=3.0))
-    assert given.prior_scale == 3.0 and given.meta["selection"]["method"] == "fixed"
+    assert given.prior_scale == 3.0 and given.metadata()["selection"]["method"] == "fixed"
     # Unvalidated fits never touch the validation set's backbone pass.
     assert not source.has_features(val)
 
@@ -111,9 +111,9 @@ def test_from_scratch_selects_only_on_request(splits):
     small = train.subset(slice(0, 300))
     cfg = FSVIConfig(subset="all", epochs=1, batch_size=64)
     *_, post = scratch_fsvi.train("builtin:mlp", small, val, cfg, torch.device("cpu"))
-    assert post.meta["selection"]["method"] == "default" and post.prior_scale == 300.0
+    assert post.metadata()["selection"]["method"] == "default" and post.prior_scale == 300.0
     clf, _, post = scratch_fsvi.train("builtin:mlp", small, val, replace(cfg, select=True), "cpu")
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["grid"] == [100.0, 300.0, 1000.0] and len(sel["curve"]) == 3
     assert post.prior_scale == min(sel["curve"], key=lambda row: row["nll"])["prior_scale"]
     # The recorded score is the head marginal's MC predictive on the validation inputs.

@@ -62,7 +62,7 @@ def _fit(digits_mlp, name: str, with_val: bool, **settings):  # noqa: ANN001, AN
 @pytest.mark.parametrize("name", list(METHODS))
 def test_validation_chooses_delta_around_the_marginal_likelihood(digits_mlp, name):
     source, post = _fit(digits_mlp, name, with_val=True)
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["setting"] == "prior_precision" and sel["criterion"] == "nll"
     deltas = [p["prior_precision"] for p in sel["curve"]]
     principled = sel["principled"]
@@ -78,7 +78,7 @@ def test_validation_chooses_delta_around_the_marginal_likelihood(digits_mlp, nam
     # every δ is worse than MAP on this net (measured above): the point mass at MAP
     assert best["nll"] > map_nll and sel["map_fallback"] is True
     assert "improves on MAP's validation nll" in sel["warning"]
-    assert post.meta["prior"]["method"] == "map-fallback"
+    assert post.metadata()["prior"]["method"] == "map-fallback"
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -96,16 +96,16 @@ def test_test_nll_stays_near_map(digits_mlp, name):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_without_validation_data_the_marginal_likelihood_rule_is_recorded(digits_mlp, name):
     _, post = _fit(digits_mlp, name, with_val=False)
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert not sel["validated"] and sel["method"] == "default"
     assert sel["rule"] == "Laplace marginal likelihood" and sel["chosen"] == post.prior_precision
-    assert post.meta["prior"]["method"] == "laplace-marglik"
+    assert post.metadata()["prior"]["method"] == "laplace-marglik"
 
 
 def test_explicit_values_and_switches(digits_mlp):
     _, post = _fit(digits_mlp, "glm-vi", with_val=True, prior_precision=3.0)
     assert post.prior_precision == 3.0
-    assert post.meta["selection"] == {
+    assert post.metadata()["selection"] == {
         "method": "fixed",
         "validated": False,
         "setting": "prior_precision",
@@ -113,7 +113,7 @@ def test_explicit_values_and_switches(digits_mlp):
         "rule": "given",
     }
     _, post = _fit(digits_mlp, "ggp-vi", with_val=True, select=False)
-    assert post.meta["selection"]["rule"] == "Laplace marginal likelihood"
+    assert post.metadata()["selection"]["rule"] == "Laplace marginal likelihood"
     for name in METHODS:
         with pytest.raises(BayescliError, match=r"select=True .* no validation data \(`val`\)"):
             _fit(digits_mlp, name, with_val=False, select=True)
@@ -123,14 +123,14 @@ def test_explicit_values_and_switches(digits_mlp):
 
 def test_select_by_brier(digits_mlp):
     _, post = _fit(digits_mlp, "glm-vi", with_val=True, select_by="brier")
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["criterion"] == "brier"
     best = min(sel["curve"], key=lambda p: p["brier"])
     assert sel["chosen"] == best["prior_precision"]
     # the MAP fallback compares on the selection criterion too
     fallback = best["brier"] > sel["map_validation"]["brier"]
     assert sel.get("map_fallback", False) is fallback
-    assert post.meta["prior"]["method"] == ("map-fallback" if fallback else "val-brier")
+    assert post.metadata()["prior"]["method"] == ("map-fallback" if fallback else "val-brier")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def test_no_delta_beats_map_returns_the_point_mass(digits_cnn, tiny_mlp, name, s
     else:
         settings = config(subset=subset)
     post = module.fit(source, settings)
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["map_fallback"] is True
     assert min(p["nll"] for p in sel["curve"]) > sel["map_validation"]["nll"]
     assert "the posterior is the point mass at the MAP" in sel["warning"]
@@ -206,7 +206,7 @@ def test_no_delta_beats_map_returns_the_point_mass(digits_cnn, tiny_mlp, name, s
     path = tmp_path / f"{name}.safetensors"
     post.save(path)
     back = load_posterior(path)
-    assert type(back) is type(post) and back.meta["selection"] == sel
+    assert type(back) is type(post) and back.metadata()["selection"] == sel
     _, pred2 = _predict_val(back, source, model)
     assert torch.allclose(pred2.probs, pred.probs, atol=1e-7)
     if name == "glm-vi":  # the BNN predictive of the point mass is the network too
@@ -224,11 +224,11 @@ def test_a_delta_that_beats_map_is_kept(overconfident_mlp, name):
     module, config, _ = METHODS[name]
     source = FitSource(model, train, load_data("digits:val"))
     post = module.fit(source, config())
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     best = min(sel["curve"], key=lambda p: p["nll"])
     assert best["nll"] < sel["map_validation"]["nll"] and "map_fallback" not in sel
     assert post.prior_precision == sel["chosen"] == best["prior_precision"]
-    assert post.meta["prior"]["method"] == "val-nll"
+    assert post.metadata()["prior"]["method"] == "val-nll"
     assert not getattr(post, "point_mass", False)
     feats, pred = _predict_val(post, source, model)
     assert nll(pred.probs.double(), source.val.y) < sel["map_validation"]["nll"]

@@ -34,7 +34,7 @@ def test_default_settings_with_val_are_no_worse_than_map(splits):
     model, train, val, test = splits
     source = FitSource(model, train, val)
     post = fit(source, MNVIConfig())
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel["validated"] and sel["setting"] == "kl_weight" and sel["criterion"] == "nll"
     principled = 1.0 / len(train)
     assert sel["principled"] == pytest.approx(principled)
@@ -60,7 +60,7 @@ def test_default_settings_with_val_are_no_worse_than_map(splits):
 def test_without_val_the_principled_default_is_recorded_as_unvalidated(splits):
     model, train, _, _ = splits
     post = fit(FitSource(model, train), MNVIConfig(epochs=2))
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert not sel["validated"] and sel["method"] == "default"
     assert sel["chosen"] == pytest.approx(1.0 / len(train)) == post.config["kl_weight"]
     assert "1/N" in sel["rule"] and "val" in sel["rule"]
@@ -69,7 +69,7 @@ def test_without_val_the_principled_default_is_recorded_as_unvalidated(splits):
 def test_a_given_kl_weight_is_used_as_is_and_select_needs_val(splits):
     model, train, val, _ = splits
     post = fit(FitSource(model, train, val), MNVIConfig(kl_weight=1e-4, epochs=2))
-    sel = post.meta["selection"]
+    sel = post.metadata()["selection"]
     assert sel == {**sel, "method": "fixed", "validated": False, "chosen": 1e-4}
     assert post.config["kl_weight"] == 1e-4 and "val_nll" in post.meta
     with pytest.raises(BayescliError, match="validation data"):

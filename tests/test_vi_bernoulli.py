@@ -341,8 +341,8 @@ def multi_ckpt(tmp_path_factory):
 def test_selection_is_not_worse_than_map_per_label(multi_ckpt, method, settings):
     loaded = ModelOptions("builtin:mlp", multi_ckpt).load()
     post = api.fit(loaded, "composed-digits:train", method, val="composed-digits:val", **settings)
-    assert post.likelihood == "bernoulli" and post.meta["validated"]
-    sel = post.meta["selection"]
+    assert post.likelihood == "bernoulli" and post.metadata()["validated"]
+    sel = post.metadata()["selection"]
     val = post.val_data
     feats = extract_features(loaded, val, 256, "cpu")
     pred = post.predict(val)  # the API's default: glm predictive, probit link per label

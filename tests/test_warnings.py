@@ -13,6 +13,7 @@ from bayescli.data.shifts import rotate
 from bayescli.errors import LowAccuracyWarning, ResizeWarning
 from bayescli.features import extract_features
 from bayescli.models import load_classifier
+from bayescli.posterior.selection import Selection
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +295,7 @@ def _laplace_selection(ckpt: Path) -> dict:
     run = fit_from_specs(
         "laplace", model, "digits:train", settings=LaplaceSettings(hessian="diag"), val="digits:val"
     )
-    return run.posterior.meta["selection"]
+    return run.posterior.metadata()["selection"]
 
 
 def test_laplace_on_an_underconfident_net_says_underconfident(underconfident_ckpt, digits_ckpt):
@@ -323,8 +324,13 @@ def test_evaluate_calls_a_bridge_posterior_map_only_where_selection_chose_map():
     }
 
     def line(selection: dict) -> str:
-        meta = {"selection": selection}
-        post = {"post": SimpleNamespace(summary=lambda: {"prior_precision": selection["chosen"]}, meta=meta)}
+        post = {
+            "post": SimpleNamespace(
+                summary=lambda: {"prior_precision": selection["chosen"]},
+                meta={},
+                selection=Selection.from_record(selection),
+            )
+        }
         (out,) = degenerate_posteriors(methods, outs, post)
         return out
 

@@ -76,7 +76,7 @@ def demo(
     sets = uncertainty_topk(bridge_pred.alpha, 0.05, 10)
     topk = topk_summary(sets, bridge_pred.probs, test_feats.labels, 10)
     # Marglik is known to be underconfident on small data: show it beside the validated δ.
-    val_delta, marglik_delta = post.prior_precision, post.meta["prior"]["marglik"]
+    val_delta, marglik_delta = post.prior_precision, post.prior_record["marglik"]
     post.gaussian.with_delta(marglik_delta)
     results["glm-probit (marglik δ)"] = classification_summary(
         predict(post, test_feats, "glm", "probit", seed=seed).probs, test_feats.labels

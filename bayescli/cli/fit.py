@@ -130,7 +130,7 @@ def fit_laplace_cmd(
         "parameters": post.gaussian.num_params,
         "n_data": post.n_data,
         "prior_precision": post.prior_precision,
-        "prior_method": post.meta["prior"]["method"],
+        "prior_method": post.prior_record["method"],
         "log_marglik": post.log_marglik() if post.log_likelihood is not None else None,
         "fit_seconds": post.meta["fit_seconds"],
         "forward_seconds": run.forward_seconds,

@@ -45,12 +45,12 @@ def show_fit(run: FitRun, seen: list, summary: dict, title: str, quiet: bool, as
     post = run.posterior
     summary = {**summary, **run.facts()}
     warnings = [str(w) for w in seen]
-    selection = post.meta.get("selection") or {}
-    blocks = [selection, *(v for v in post.meta.values() if isinstance(v, dict) and v is not selection)]
+    records = {**post.meta, **post.selection_metadata()}  # what the file says
+    blocks = [records.get("selection") or {}, *(v for k, v in records.items() if k != "selection")]
     for block in blocks:
-        if block.get("warning") and block["warning"] not in warnings:
+        if isinstance(block, dict) and block.get("warning") and block["warning"] not in warnings:
             warnings.append(block["warning"])
-    if run.val is None and selection.get("method") != "fixed":
+    if run.val is None and (post.selection is None or post.selection.how != "fixed"):
         warnings.append(NOT_VALIDATED)
     for message in warnings:
         c.warn(message)

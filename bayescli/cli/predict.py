@@ -191,7 +191,7 @@ def predict_cmd(
         from bayescli.posterior.selection import chose_map, chosen_label
 
         delta = post.summary().get("prior_precision")
-        sel = post.meta.get("selection")
+        sel = post.selection
         note = near_zero_variance_warning(
             method,
             results[method]["mean_alpha0"],

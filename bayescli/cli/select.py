@@ -35,7 +35,8 @@ def select_cmd(
     select_by: Annotated[
         str,
         typer.Option(
-            help="nll, ece, brier or auroc (mean over the --ood sets: the choice then uses OOD data).",
+            help="nll, ece, brier or auroc (mean over the --ood sets: the choice then uses OOD data). "
+            "Each method also tunes its key hyperparameter by it (by nll when ranking by auroc).",
             rich_help_panel="Validation",
         ),
     ] = "nll",
@@ -120,10 +121,11 @@ def select_cmd(
         "brier",
         *(f"AUROC {o}" for o in ood_cols),
         "chosen",
+        "tuned by",
         "fit s",
     ]
     rows = [["MAP", *(board["map"][k] for k in ("accuracy", "nll", "ece", "brier"))]]
-    rows[0] += [board["map"]["auroc"][o] for o in ood_cols] + ["", None]
+    rows[0] += [board["map"]["auroc"][o] for o in ood_cols] + ["", "", None]
     for name, row in board["methods"].items():
         hyper = row["hyperparameters"]
         chosen = ", ".join(
@@ -141,6 +143,7 @@ def select_cmd(
                 *(row[k] for k in ("accuracy", "nll", "ece", "brier")),
                 *(row["auroc"][o] for o in ood_cols),
                 chosen,
+                row["tuned_by"] or "not tuned",
                 row["fit_seconds"],
             ]
         )
@@ -148,6 +151,7 @@ def select_cmd(
         f"best by validation {select_by}: {board['best']}"
         + (" (chosen using the OOD sets)" if board["used_ood_for_choice"] else "")
         + ("" if board["best_beats_map"] else f"; it does not beat MAP's {select_by}")
+        + f"; methods tuned by validation {board['tuned_by']}"
         + f"; wrote {out_dir}/leaderboard.json and best.safetensors"
     )
     c.show(quiet, as_json, c.table(f"select on {val.spec}", columns, rows), note, payload=board)

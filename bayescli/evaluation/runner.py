@@ -252,7 +252,7 @@ def degenerate_posteriors(
         post = posteriors[m.posterior]
         delta = post.summary().get("prior_precision")
         known = isinstance(delta, int | float) and not isinstance(delta, bool)
-        sel = post.meta.get("selection") or {}
+        sel = post.selection
         line = near_zero_variance_warning(
             m.name,
             alpha0,

@@ -28,6 +28,7 @@ from bayescli._version import __version__
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
 from bayescli.options import Link, Subset
+from bayescli.posterior.selection import Selection
 
 if TYPE_CHECKING:
     from bayescli.data import Data
@@ -40,6 +41,8 @@ FORMAT_VERSION = 1
 
 # Metadata keys every posterior file carries, written by Posterior.metadata().
 COMMON_KEYS = frozenset({"format", "format_version", "bayescli_version", "method", "subset"})
+# Metadata keys written from ``Posterior.selection`` (and read back into it).
+SELECTION_KEYS = ("selection", "validated", "prior")
 
 
 class Posterior(ABC):
@@ -48,7 +51,10 @@ class Posterior(ABC):
     Subclasses set ``method`` (the file's ``method`` entry) and implement the predictive they
     support, :meth:`tensors`, :meth:`own_metadata` and :meth:`from_file`. ``meta`` holds the
     provenance shared by all methods (model spec, checkpoint path and sha256, preprocessing,
-    data spec, class count, fit seconds, …), written verbatim into the file.
+    data spec, class count, fit seconds, …), written verbatim into the file. ``selection`` is how
+    the method's key setting was set (every fit sets it); only :meth:`metadata` writes it to the
+    file, as the ``selection``, ``validated`` and (methods with a prior precision δ) ``prior``
+    entries, and loading reads them back into it.
     """
 
     method: ClassVar[str]
@@ -64,6 +70,7 @@ class Posterior(ABC):
     model: LoadedModel | None = None  # the model it was fitted on or loaded with (Python API)
     fit_data: Data | None = None  # its fitting and validation sets, when fitted in this process
     val_data: Data | None = None
+    selection: Selection | None = None
 
     @property
     def needs_inputs(self) -> bool:
@@ -133,6 +140,8 @@ class Posterior(ABC):
         """Rebuild the posterior from what :meth:`save` wrote (``meta`` is the whole header)."""
 
     def metadata(self) -> dict:
+        """The file's metadata: the common keys, :meth:`own_metadata`, ``meta`` and the entries
+        :meth:`selection_metadata` derives from ``selection``."""
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -141,7 +150,26 @@ class Posterior(ABC):
             "subset": self.subset.value,
             **self.own_metadata(),
             **self.meta,
+            **self.selection_metadata(),
         }
+
+    def selection_metadata(self) -> dict:
+        """The file entries of :attr:`selection`: ``selection`` (its record), ``validated`` and,
+        where the selection describes a prior precision, ``prior`` (``value``: this posterior's δ,
+        then the selection's ``prior`` block); empty without a selection."""
+        sel = self.selection
+        if sel is None:
+            return {}
+        out = {"selection": sel.record(), "validated": sel.validated}
+        if sel.prior is not None:
+            out["prior"] = {"value": float(self.prior_precision), **sel.prior}
+        return out
+
+    @property
+    def prior_record(self) -> dict:
+        """The file's ``prior`` entry (value, method, …): from :attr:`selection` or, for a posterior
+        fitted outside a method's ``fit`` (or an older file), as ``meta`` holds it; ``{}`` if none."""
+        return self.selection_metadata().get("prior") or self.meta.get("prior") or {}
 
     def save(self, path: str | Path) -> None:
         """Write tensors and metadata to ``.safetensors`` (atomically)."""
@@ -161,6 +189,7 @@ class Posterior(ABC):
             return self
         post = _rebuild(type(self), self.tensors(), self.metadata(), self.path, device)
         post.meta = copy.deepcopy(self.meta)
+        post.selection = copy.deepcopy(self.selection)
         post.model, post.fit_data, post.val_data = self.model, self.fit_data, self.val_data
         post.path = self.path
         return post
@@ -249,8 +278,22 @@ def _rebuild(
     device: torch.device,
 ) -> Posterior:
     """``cls.from_file`` on ``tensors`` moved to ``device`` (:meth:`Posterior.to` and
-    :func:`load_posterior` share it)."""
-    return cls.from_file({k: v.to(device) for k, v in tensors.items()}, meta, path)
+    :func:`load_posterior` share it), its ``selection`` read back from the file's entries."""
+    post = cls.from_file({k: v.to(device) for k, v in tensors.items()}, meta, path)
+    post.selection, post.meta = read_selection(post.meta)
+    return post
+
+
+def read_selection(meta: dict) -> tuple[Selection | None, dict]:
+    """The :class:`Selection` a file's metadata records and the metadata without the entries
+    it is written as (:data:`SELECTION_KEYS`); ``(None, meta)`` for a file without a
+    ``selection`` entry (its ``prior`` entry, if any, stays in the metadata)."""
+    record = meta.get("selection")
+    if not isinstance(record, dict):
+        return None, meta
+    prior = meta.get("prior")
+    prior = {k: v for k, v in prior.items() if k != "value"} if isinstance(prior, dict) else None
+    return Selection.from_record(record, prior), {k: v for k, v in meta.items() if k not in SELECTION_KEYS}
 
 
 def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:

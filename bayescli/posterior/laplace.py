@@ -54,6 +54,7 @@ from bayescli.posterior.gaussian import (
 from bayescli.posterior.network_curvature import all_layer_curvature
 from bayescli.posterior.prior import edge_warning, log_marglik, optimise_marglik
 from bayescli.posterior.refine import refine_mode
+from bayescli.posterior.selection import unvalidated
 
 
 def head_parameters(head: nn.Linear) -> torch.Tensor:
@@ -121,7 +122,7 @@ class LaplacePosterior(Posterior):
             "curvature": self.curvature.value,
             "likelihood": self.likelihood,
             "prior_precision": self.prior_precision,
-            "prior_method": self.meta.get("prior", {}).get("method"),
+            "prior_method": self.prior_record.get("method"),
             "n_data": self.n_data,
         }
 
@@ -269,14 +270,21 @@ class LaplacePosterior(Posterior):
     # -- prior --------------------------------------------------------------------------------
 
     def set_prior_precision(self, delta: float, method: str = "fixed", curve: list | None = None) -> None:
-        """Use ``δ`` from now on and record how it was chosen."""
+        """Use ``δ`` from now on and record how it was chosen (``meta["prior"]``; a posterior whose
+        δ a fit had chosen records it as given instead: its ``selection`` becomes fixed at ``δ``)."""
         if not delta > 0:
             raise BayescliError(f"prior precision must be positive, got {delta}")
         self.gaussian.with_delta(delta)
-        self.meta["prior"] = {"value": float(delta), "method": method, "curve": curve or []}
+        prior = {"value": float(delta), "method": method, "curve": curve or []}
         warning = edge_warning(delta, curve or [])
         if warning:
-            self.meta["prior"]["warning"] = warning
+            prior["warning"] = warning
+        if self.selection is None:
+            self.meta["prior"] = prior
+        else:
+            rule = "given" if method == "fixed" else method
+            self.selection = unvalidated("prior_precision", float(delta), rule, fixed=True)
+            self.selection.prior = {k: v for k, v in prior.items() if k != "value"}
 
     def optimise_prior_marglik(self) -> float:
         """Set ``δ`` to the maximiser of the Laplace marginal likelihood; returns it."""

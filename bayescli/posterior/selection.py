@@ -8,8 +8,9 @@ choice is never worse than MAP on validation (up to how close the grid's end is 
 A method whose hyperparameter has no MAP limit (FSVI's prior scale: its prior is centred at zero,
 so neither end of the grid is MAP) falls back to a point mass at the MAP head when no grid value
 beats MAP, and records that (``map_fallback``). A minimum at a grid edge extends the grid beyond that
-edge (same log spacing) before it warns. The record (grid, curve, choice, MAP's validation scores)
-goes into the posterior file under ``selection``.
+edge (same log spacing) before it warns. Every fit sets the outcome as ``post.selection`` (a
+:class:`Selection`, also for a value given or defaulted); the posterior file stores its record
+(grid, curve, choice, MAP's validation scores) under ``selection``.
 
 The criteria read the labels' shape: class indices ``[N]`` score the softmax probabilities
 (:mod:`bayescli.metrics`), multi-label ``[N, K]`` indicators score per-label probabilities by the
@@ -107,28 +108,96 @@ class Scored:
         return Scored(join("probs"), join("log_probs"), join("log_odds"))
 
 
+# How a setting was set: the record's ``method`` entry.
+VALIDATION, FIXED, DEFAULT = "validation", "fixed", "default"
+
+# The record entries :class:`Selection` types; any other entry is a method's own (``extra``).
+_VALIDATED_KEYS = (
+    "method", "validated", "setting", "criterion", "grid", "curve", "chosen", "principled",
+    "map_validation", "extensions", "map_point", "map_temperature", "warning", "map_fallback",
+)  # fmt: skip
+_UNVALIDATED_KEYS = ("method", "validated", "setting", "chosen", "rule", "warning")
+
+
 @dataclass
 class Selection:
-    """The outcome of a held-out selection, as recorded in the posterior file."""
+    """How a method's key setting was set: chosen on held-out data (``how`` = ``validation``: the
+    grid, the curve of scores ``[{setting: v, nll, ece, brier}]`` sorted by ``v``, the criterion,
+    the principled value, MAP's scores), given explicitly (``fixed``) or the method's principled
+    default (``default``, ``rule`` says which).
+
+    Every fit sets it as ``post.selection``; the posterior file stores :meth:`record` under
+    ``selection`` (and :meth:`from_record` reads it back). ``map_point``: the choice is the grid's
+    MAP end (the posterior is numerically MAP); ``map_fallback``: no value beat MAP and the method
+    returned the point mass at MAP instead. ``prior`` is how the prior-precision methods' file
+    block ``prior`` describes the choice (its ``method``, ``objective``, …; its ``value`` is the
+    posterior's own δ, written with it). ``extra`` holds a method's own entries (MNVI's
+    ``map_limit_gap``, Dirichlet fVI's ``map_limit``, prior_precision's ``objective``, …),
+    written into the record as they are.
+    """
 
     setting: str
-    criterion: Criterion
-    grid: list[float]
-    curve: list[dict] = field(default_factory=list)  # [{setting: v, nll, ece, brier}] sorted by v
-    chosen: float = math.nan
+    criterion: Criterion | None = None
+    grid: list[float] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)
+    chosen: float | None = math.nan
     principled: float | None = None
     map_scores: dict[str, float] | None = None
     extensions: int = 0
     warning: str | None = None
-    map_point: bool = False  # the choice is the grid's MAP end: the posterior is (numerically) MAP
+    map_point: bool = False
     map_temperature: float | None = None  # MAP's validation-NLL temperature, where it was needed
+    how: str = VALIDATION
+    rule: str | None = None  # why a value not validated is what it is
+    map_fallback: bool = False
+    prior: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def validated(self) -> bool:
+        """Whether the setting was chosen on held-out data."""
+        return self.how == VALIDATION
+
+    @property
+    def chose_map(self) -> bool | None:
+        """Whether held-out selection chose MAP itself: the grid's MAP end (``map_point``), the MAP
+        fallback (``map_fallback``) or Dirichlet fVI's τ = 0 head (``map_limit``); ``None`` when the
+        setting was not chosen on held-out data."""
+        if not self.validated:
+            return None
+        limit = "map_limit" in self.extra and self.chosen == 0.0
+        return bool(self.map_point or self.map_fallback or limit)
+
+    @property
+    def label(self) -> str | None:
+        """``"setting = value"``, where the record names both."""
+        value = self.chosen
+        if not self.setting or not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        return f"{self.setting} = {value:.3g}"
+
+    def add_warning(self, text: str) -> None:
+        """Append ``text`` to the warning (``; ``-separated)."""
+        self.warning = f"{self.warning}; {text}" if self.warning else text
 
     def record(self) -> dict:
+        """The ``selection`` entry of the posterior file."""
+        if not self.validated:
+            out = {
+                "method": self.how,
+                "validated": False,
+                "setting": self.setting,
+                "chosen": self.chosen,
+                "rule": self.rule,
+            }
+            if self.warning:
+                out["warning"] = self.warning
+            return out | self.extra
         out = {
             "method": "validation",
             "validated": True,
             "setting": self.setting,
-            "criterion": self.criterion.value,
+            "criterion": None if self.criterion is None else self.criterion.value,
             "grid": self.grid,
             "curve": self.curve,
             "chosen": self.chosen,
@@ -141,39 +210,58 @@ class Selection:
             out["map_temperature"] = self.map_temperature
         if self.warning:
             out["warning"] = self.warning
+        out |= self.extra
+        if self.map_fallback:
+            out["map_fallback"] = True
         return out
 
+    @classmethod
+    def from_record(cls, record: dict, prior: dict | None = None) -> Selection:
+        """The selection a file's ``selection`` entry records (and its ``prior`` block, less its
+        ``value``), as :meth:`record` wrote it."""
+        if not record.get("validated"):
+            return cls(
+                str(record.get("setting", "")),
+                chosen=record.get("chosen"),
+                how=str(record.get("method", DEFAULT)),
+                rule=record.get("rule"),
+                warning=record.get("warning"),
+                prior=prior,
+                extra={k: v for k, v in record.items() if k not in _UNVALIDATED_KEYS},
+            )
+        criterion = record.get("criterion")
+        return cls(
+            str(record.get("setting", "")),
+            None if criterion is None else Criterion(criterion),
+            list(record.get("grid") or []),
+            list(record.get("curve") or []),
+            record.get("chosen", math.nan),
+            record.get("principled"),
+            record.get("map_validation"),
+            int(record.get("extensions", 0)),
+            record.get("warning"),
+            bool(record.get("map_point", False)),
+            record.get("map_temperature"),
+            prior=prior,
+            map_fallback=bool(record.get("map_fallback", False)),
+            extra={k: v for k, v in record.items() if k not in _VALIDATED_KEYS},
+        )
 
-def unvalidated(setting: str, value: float | None, rule: str, *, fixed: bool = False) -> dict:
-    """The ``selection`` record of a posterior whose ``setting`` was not chosen on held-out data:
-    given explicitly (``fixed``) or the method's principled default (``rule`` says which)."""
-    return {
-        "method": "fixed" if fixed else "default",
-        "validated": False,
-        "setting": setting,
-        "chosen": value,
-        "rule": rule,
-    }
+
+def unvalidated(setting: str, value: float | None, rule: str, *, fixed: bool = False) -> Selection:
+    """The selection of a posterior whose ``setting`` was not chosen on held-out data: given
+    explicitly (``fixed``) or the method's principled default (``rule`` says which)."""
+    return Selection(setting, chosen=value, how=FIXED if fixed else DEFAULT, rule=rule)
 
 
-def chose_map(record: dict | None) -> bool | None:
-    """Whether a posterior's ``selection`` record says held-out selection chose MAP itself: the
-    grid's MAP end (``map_point``), or the MAP fallback (``map_fallback``; Dirichlet fVI's τ = 0
-    head); ``None`` when the setting was not chosen on held-out data."""
-    record = record or {}
-    if not record.get("validated"):
-        return None
-    limit = "map_limit" in record and record.get("chosen") == 0.0
-    return bool(record.get("map_point") or record.get("map_fallback") or limit)
+def chose_map(selection: Selection | None) -> bool | None:
+    """:attr:`Selection.chose_map` of a posterior's ``selection`` (``None`` without one)."""
+    return None if selection is None else selection.chose_map
 
 
-def chosen_label(record: dict | None) -> str | None:
-    """``"setting = value"`` of a ``selection`` record, where it names both."""
-    record = record or {}
-    value = record.get("chosen")
-    if not record.get("setting") or not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    return f"{record['setting']} = {value:.3g}"
+def chosen_label(selection: Selection | None) -> str | None:
+    """:attr:`Selection.label` of a posterior's ``selection`` (``None`` without one)."""
+    return None if selection is None else selection.label
 
 
 def map_temperature(

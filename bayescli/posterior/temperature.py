@@ -104,16 +104,16 @@ def fit(source: FitSource, settings: TemperatureSettings) -> TemperaturePosterio
     bias = None if head.bias is None else head.bias.detach().to(source.device, copy=True)
     if settings.temperature is not None:
         post = TemperaturePosterior(weight, bias, settings.temperature)
-        post.meta["selection"] = unvalidated("temperature", settings.temperature, "given", fixed=True)
+        post.selection = unvalidated("temperature", settings.temperature, "given", fixed=True)
         return post
     if source.val is None:
         post = TemperaturePosterior(weight, bias, 1.0)
-        post.meta["selection"] = unvalidated("temperature", 1.0, "T = 1 (MAP): no validation data (val)")
+        post.selection = unvalidated("temperature", 1.0, "T = 1 (MAP): no validation data (val)")
         return post
     val = source.val_features()
     temperature, sel = fit_temperature(val.logits, val.labels, settings.select_by, settings.bounds)
     post = TemperaturePosterior(weight, bias, temperature)
-    post.meta["selection"] = sel.record()
+    post.selection = sel
     return post
 
 

@@ -322,8 +322,8 @@ def fit_ggp(
     The points' provenance is recorded in ``info["data"]``.
     """
     _check_laplace(posterior)
-    prior = posterior.meta.get("prior") or {}
-    if refine and prior.get("method") == "val-nll":
+    prior = posterior.prior_record
+    if refine and str(prior.get("method", "")).startswith("val-"):
         # the refined mode is the GP posterior's at δ; a δ chosen for the GLM predictive (up to
         # the MAP limit, δ → ∞) pulls that mode to the prior mean, far from the trained network
         warnings.warn(

@@ -69,7 +69,7 @@ def train(
     selection is never implicit here). Returns the classifier (map/dropout: the trained network;
     mfvi: the means; ensemble: member 0), checkpoint metadata as
     :func:`bayescli.training.classifier.train_classifier` writes it, and the whole-network
-    posterior (``subset = all``) with ``meta["selection"]``.
+    posterior (``subset = all``) with its ``selection``.
     """
     start_time = time.perf_counter()
     cfg = settings
@@ -163,10 +163,10 @@ def train(
     base = default_tau(k)
     if cfg.tau is not None:
         clf, post = train_at(cfg.tau)
-        selection = unvalidated("tau", cfg.tau, "given explicitly", fixed=True)
+        post.selection = unvalidated("tau", cfg.tau, "given explicitly", fixed=True)
     elif not cfg.select:
         clf, post = train_at(base)
-        selection = unvalidated("tau", base, DEFAULT_RULE)
+        post.selection = unvalidated("tau", base, DEFAULT_RULE)
     else:
         x_val = val.inputs(slice(None))
 
@@ -178,11 +178,10 @@ def train(
         (clf, post), sel = select_on_grid(
             "tau", grid, candidate, val.y, cfg.select_by, principled=base, extensions=0
         )
-        selection = sel.record()
+        post.selection = sel
     settings_record = cfg.record()
     post.meta |= {
         "config": settings_record,
-        "selection": selection,
         "index_data": settings_record["index_data"],
         "fit_seconds": time.perf_counter() - start_time,
     }

@@ -198,7 +198,7 @@ def train(
     plus ``p_Xc`` draws (a data ``context`` as :class:`~bayescli.data.Data` in ``train``'s pixel
     space). Returns the classifier (means as weights), checkpoint metadata in
     :func:`bayescli.training.classifier.train_classifier`'s format, and the ``all`` posterior,
-    whose ``meta["selection"]`` records how ``prior_scale`` was set."""
+    whose ``selection`` records how ``prior_scale`` was set."""
     cfg = settings.with_defaults(Subset.ALL)  # always all layers
     spec = ModelSpec.parse(model_spec)
     if spec.kind != "builtin":
@@ -228,18 +228,17 @@ def train(
             principled=cfg.default_prior_scale, extensions=0,
         )  # fmt: skip
         c, clf, var, prior_var, curve = best
-        record = sel.record()
     else:
         c = cfg.default_prior_scale if cfg.prior_scale is None else cfg.prior_scale
         clf, var, prior_var, curve = _train_all(spec, train, cfg, c, device)
         rule = "given explicitly" if cfg.prior_scale is not None else f"the from-scratch default c = {c:g}"
-        record = unvalidated("prior_scale", c, rule, fixed=cfg.prior_scale is not None)
+        sel = unvalidated("prior_scale", c, rule, fixed=cfg.prior_scale is not None)
     post = _all_posterior(clf, var, prior_var, c, cfg)
+    post.selection = sel
     post.meta |= {
         "fit_seconds": time.perf_counter() - start,
         "n_data": len(train),
         "training_curve": curve,
-        "selection": record,
     }
     normalisation = (clf.mean.tolist(), clf.std.tolist())
     training = {"method": "fsvi", **post.hyperparameters}

@@ -45,8 +45,8 @@ def train(
     means), checkpoint metadata as :func:`bayescli.training.classifier.train_classifier` writes
     it, and the all-layer posterior (``mean-and-noise``). With ``select=True`` every κ/N of
     :data:`KL_WEIGHT_GRID` is trained for each σ² of :data:`PRIOR_VAR_GRID` (or the given σ²)
-    and the lowest validation ``select_by`` wins; ``meta["selection"]`` is the κ record of the
-    winning σ² with ``prior_var`` (grid, chosen, each σ²'s best score) added.
+    and the lowest validation ``select_by`` wins; ``post.selection`` is the κ record of the
+    winning σ² with ``prior_var`` (grid, chosen, each σ²'s best score) in its ``extra``.
     """
     s = replace(settings, subset="all", variant="mean-and-noise")
     check_select(s)
@@ -96,7 +96,7 @@ def train(
         post = build(base)
         if val is not None:
             post.meta["val_nll"] = predictive(post).scores(val.y)["nll"]
-        post.meta["selection"] = (
+        post.selection = (
             unvalidated("kl_weight", s.kl_weight, "given", fixed=True)
             if s.kl_weight is not None
             else unvalidated("kl_weight", base.kl_weight, RULE)
@@ -108,8 +108,9 @@ def train(
     meta = checkpoint_metadata(
         spec, clf, train, val, device, (mean, std), training, loss, likelihood=likelihood
     )
-    kept = ("curve", "fit_seconds", "val_nll", "selection")
+    kept = ("curve", "fit_seconds", "val_nll")
     meta["mnvi"] = {k: post.meta[k] for k in kept if k in post.meta}
+    meta["mnvi"]["selection"] = post.selection.record()
     return clf, meta, post
 
 
@@ -139,12 +140,11 @@ def _select(
         if best is None or score < best[0]:
             best = (score, post, sel)
     _, post, sel = best
-    record = sel.record()
-    record["prior_var"] = {
+    sel.extra["prior_var"] = {
         "grid": [r["prior_var"] for r in per_prior_var],
         "chosen": post.config["prior_var"],
         "best": per_prior_var,
     }
-    post.meta["selection"] = record
+    post.selection = sel
     post.meta["val_nll"] = next(r["nll"] for r in sel.curve if r["kl_weight"] == sel.chosen)
     return post

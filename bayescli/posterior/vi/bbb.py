@@ -405,7 +405,7 @@ def fit_mean_field(
         }
         return post
 
-    post, prior, selection = choose_prior_precision(
+    post, selection = choose_prior_precision(
         cfg.prior_precision,
         cfg.select,
         cfg.select_by,
@@ -416,8 +416,7 @@ def fit_mean_field(
         point_mass if map_fallback else None,
         "the MAP weights",
     )
-    post.meta["prior"] = prior
-    post.meta["selection"] = selection
+    post.selection = selection
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
@@ -428,7 +427,7 @@ def fit(source: FitSource, settings: BBBConfig) -> BBBPosterior:
     δ: ``settings.prior_precision`` if given; else, with validation data (``source.val``) and
     ``select`` not ``False``, the best of ``δ_0 · 10^i``, ``i = −2 … 2`` (extended past an edge
     minimum) by ``select_by`` on the validation BNN predictive, ``δ_0`` the all-layer diagonal
-    Laplace marginal-likelihood optimum at the checkpoint; else ``δ_0``. ``meta["selection"]``
+    Laplace marginal-likelihood optimum at the checkpoint; else ``δ_0``. ``post.selection``
     records which.
     """
     require_validation(settings.select, source.val is not None)

@@ -279,7 +279,7 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
     The fitting set's features (``phi [N, D]``), the validation set's and the index set's come
     from ``source`` (computed once, shared with other methods fitted on it); the head is then
     trained over them at the ``tau`` of the module docs: the given one, the one chosen on
-    ``source.val``, or :func:`principled_tau`. ``meta["selection"]`` records which. The CLI adds
+    ``source.val``, or :func:`principled_tau`. ``post.selection`` records which. The CLI adds
     the provenance keys to ``meta`` afterwards.
     """
     start_time = time.perf_counter()
@@ -350,10 +350,10 @@ def fit(source: FitSource, settings: DirichletFVIConfig) -> DirichletFVIPosterio
     principled = principled_tau(source.num_classes, n)
     if cfg.tau is not None:
         post = fit_at(cfg.tau)
-        post.meta["selection"] = unvalidated("tau", cfg.tau, "given explicitly", fixed=True)
+        post.selection = unvalidated("tau", cfg.tau, "given explicitly", fixed=True)
     elif source.val is None or cfg.select is False:
         post = fit_at(principled)
-        post.meta["selection"] = unvalidated("tau", principled, PRINCIPLED_RULE)
+        post.selection = unvalidated("tau", principled, PRINCIPLED_RULE)
     else:
         post = _select_tau(fit_at, principled, source.val_features(), head, beta, n, cfg)
     settings_record = cfg.record()
@@ -393,7 +393,7 @@ def _select_tau(
     cfg: DirichletFVIConfig,
 ) -> DirichletFVIPosterior:
     """``τ`` on the validation features (module docs): the grid's best refit, or the MAP head
-    when none beats it. Sets ``meta["selection"]`` (with the MAP head's scores as ``map_limit``)."""
+    when none beats it. Sets ``selection`` (with the MAP head's scores as ``map_limit``)."""
     val_phi, val_y = val.phi, val.labels
 
     def candidate(tau: float) -> tuple[DirichletFVIPosterior, Scored]:
@@ -415,12 +415,12 @@ def _select_tau(
     limit_scores = dirichlet_predictive(limit.alpha_features(val_phi)).scores(val_y)
     by = cfg.select_by.value
     chosen_score = next(row[by] for row in sel.curve if row["tau"] == sel.chosen)
-    record = sel.record() | {"map_limit": {"tau": 0.0, "refit": False, **limit_scores}}
+    sel.extra["map_limit"] = {"tau": 0.0, "refit": False, **limit_scores}
     if limit_scores[by] <= chosen_score:
         best = limit
-        record["chosen"] = 0.0
-        record["map_point"] = True
-        record["warning"] = (
+        sel.chosen = 0.0
+        sel.map_point = True
+        sel.warning = (
             f"no tau in {sel.curve[0]['tau']:.3g}–{sel.curve[-1]['tau']:.3g} improves on the MAP head's "
             f"validation {by} ({limit_scores[by]:.4g} vs {chosen_score:.4g} at best): the posterior is "
             "the MAP head (map family, tau = 0, no refit)"
@@ -428,11 +428,11 @@ def _select_tau(
     elif sel.chosen == sel.curve[0]["tau"]:
         # the smallest τ searched is the weight-space refit (τ → 0) to ≲ 1e−5 NLL, and it beats the
         # MAP head: nothing lies beyond this edge, so selection's "reaches the MAP limit" does not apply
-        record["map_point"] = False
-        record["warning"] = (
+        sel.map_point = False
+        sel.warning = (
             f"tau = {sel.chosen:.3g} is the smallest value searched: on this validation set the refit "
             f"without the KL term (weight-space limit) scores best ({by} {chosen_score:.4g}, MAP head "
             f"{limit_scores[by]:.4g})"
         )
-    best.meta["selection"] = record
+    best.selection = sel
     return best

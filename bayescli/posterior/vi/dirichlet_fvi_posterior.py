@@ -161,7 +161,7 @@ class DirichletFVIPosterior(Posterior):
             "family": self.family,
             "members": self.members,
             "tau": self.tau,
-            "tau_method": self.meta.get("selection", {}).get("method", "fixed"),
+            "tau_method": "fixed" if self.selection is None else self.selection.how,
             "n_data": self.n_data,
         }
 

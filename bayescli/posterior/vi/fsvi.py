@@ -490,7 +490,7 @@ def fit_last_layer(
     """Post-hoc FSVI on frozen features: ``phi [N, D]`` with ``labels [N]``, a context pool
     ``context_phi [M, D]``, the MAP ``head`` as the initial mean. With validation features
     ``val_phi [V, D]``, ``val_labels [V]`` and ``prior_scale`` unset (and ``select`` not False),
-    ``prior_scale`` is chosen on them (see the module docstring); ``post.meta["selection"]``
+    ``prior_scale`` is chosen on them (see the module docstring); ``post.selection``
     records how it was set. Runs on ``phi``'s device and dtype."""
     cfg = cfg.with_defaults(Subset.LAST_LAYER)
     cfg = replace(cfg, epochs=head_epochs(cfg.epochs or None, len(phi), cfg.batch_size))
@@ -536,7 +536,6 @@ def fit_last_layer(
             map_logits=map_logits,
             principled=cfg.default_prior_scale,
         )
-        record = sel.record()
         best = min(row[cfg.select_by.value] for row in sel.curve)
         if best > sel.map_scores[cfg.select_by.value]:
             # No fitted prior scale beats MAP: return MAP itself, the end of the candidate set.
@@ -551,17 +550,17 @@ def fit_last_layer(
                 f"({sel.map_scores[by]:.4g} vs best {best:.4g}): the posterior is the point mass at the "
                 "MAP head (zero variances)"
             )
-            earlier = record.get("warning")
-            record |= {"map_fallback": True, "warning": f"{earlier}; {fallback}" if earlier else fallback}
-        post.meta["selection"] = record
+            sel.map_fallback = True
+            sel.add_warning(fallback)
+        post.selection = sel
     else:
         c = cfg.default_prior_scale if cfg.prior_scale is None else cfg.prior_scale
         post = fitted(c)
         if cfg.prior_scale is not None:
-            post.meta["selection"] = unvalidated("prior_scale", c, "given explicitly", fixed=True)
+            post.selection = unvalidated("prior_scale", c, "given explicitly", fixed=True)
         else:
             why = "select=False" if cfg.select is False else "no validation data"
-            post.meta["selection"] = unvalidated(
+            post.selection = unvalidated(
                 "prior_scale",
                 c,
                 f"the principled default ({why}): c = {c:g}, a prior logit variance of {c:g} at a "

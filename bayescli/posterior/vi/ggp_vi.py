@@ -485,7 +485,7 @@ def fit_over_grid(
         """The point mass at θ*: ``best``'s SVGP tensors for the record, predicting MAP."""
         return replace(best, meta={"vi": best.meta["vi"]}, point_mass=True, map_weight=head_weight, _cache={})
 
-    post, prior, selection = choose_prior_precision(
+    post, selection = choose_prior_precision(
         cfg.prior_precision,
         cfg.select,
         cfg.select_by,
@@ -496,8 +496,7 @@ def fit_over_grid(
         point_mass if map_fallback else None,
         "the MAP head" if last else "the MAP weights",
     )
-    post.meta["prior"] = prior
-    post.meta["selection"] = selection
+    post.selection = selection
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
@@ -508,8 +507,8 @@ def fit(source: FitSource, settings: GGPVIConfig) -> GGPVIPosterior:
     δ: ``settings.prior_precision`` if given; else, with validation data (``source.val``) and
     ``select`` not ``False``, the best of ``δ_0 · 10^i``, ``i = −2 … 2`` (extended past an edge
     minimum) by ``select_by`` on the validation SVGP predictive, ``δ_0`` the Laplace
-    marginal-likelihood optimum; else ``δ_0``. ``meta["selection"]`` records which. When selection
+    marginal-likelihood optimum; else ``δ_0``. ``post.selection`` records which. When selection
     ran and no δ scores better than MAP on validation, the posterior is the point mass at ``θ*``
-    (point-mass mode, ``meta["selection"]["map_fallback"]``; see the module docstring).
+    (point-mass mode, ``post.selection.map_fallback``; see the module docstring).
     """
     return fit_over_grid(source, settings, None, map_fallback=True)

@@ -481,7 +481,7 @@ def fit_over_grid(
         }
         return post
 
-    post, prior, selection = choose_prior_precision(
+    post, selection = choose_prior_precision(
         cfg.prior_precision,
         cfg.select,
         cfg.select_by,
@@ -492,8 +492,7 @@ def fit_over_grid(
         point_mass if map_fallback else None,
         "the MAP head" if subset is Subset.LAST_LAYER else "the MAP weights",
     )
-    post.meta["prior"] = prior
-    post.meta["selection"] = selection
+    post.selection = selection
     post.meta["fit_seconds"] = time.perf_counter() - start
     return post
 
@@ -504,8 +503,8 @@ def fit(source: FitSource, settings: GLMVIConfig) -> GLMVIPosterior:
     δ: ``settings.prior_precision`` if given; else, with validation data (``source.val``) and
     ``select`` not ``False``, the best of ``δ_0 · 10^i``, ``i = −2 … 2`` (extended past an edge
     minimum) by ``select_by`` on the validation GLM predictive, ``δ_0`` the Laplace
-    marginal-likelihood optimum; else ``δ_0``. ``meta["selection"]`` records which. When selection
+    marginal-likelihood optimum; else ``δ_0``. ``post.selection`` records which. When selection
     ran and no δ scores better than MAP on validation, the posterior is the point mass at ``θ*``
-    (``meta["selection"]["map_fallback"]``; see the module docstring).
+    (``post.selection.map_fallback``; see the module docstring).
     """
     return fit_over_grid(source, settings, None, map_fallback=True)

@@ -183,7 +183,7 @@ def fit(source: FitSource, settings: MNVIConfig) -> MNVIPosterior:
     Last layer: on the fitting set's features (one backbone pass, shared through ``source``).
     All layers: the means start at the checkpoint's weights, BatchNorm stays in eval mode, and
     each step runs moment propagation on a batch of ``settings.batch_size`` inputs. The record of
-    how κ was chosen is ``meta["selection"]``; with validation data ``meta["val_nll"]`` is the
+    how κ was chosen is ``post.selection``; with validation data ``meta["val_nll"]`` is the
     chosen posterior's validation NLL.
     """
     start = time.perf_counter()
@@ -364,10 +364,10 @@ def _choose(
         return _select_kl_weight(base, run, val)
     post = run(base)
     if s.kl_weight is not None:
-        post.meta["selection"] = unvalidated("kl_weight", s.kl_weight, "given", fixed=True)
+        post.selection = unvalidated("kl_weight", s.kl_weight, "given", fixed=True)
     else:
         rule = PRINCIPLED_RULE if val is None else f"select=False: {PRINCIPLED_RULE.split(';')[0]}"
-        post.meta["selection"] = unvalidated("kl_weight", base.kl_weight, rule)
+        post.selection = unvalidated("kl_weight", base.kl_weight, rule)
     if val is not None:
         post.meta["val_nll"] = val.predictive(post).scores(val.labels)["nll"]
     return post
@@ -419,11 +419,10 @@ def _select_kl_weight(
         principled=principled,
         map_side="low",
     )
-    record = sel.record()
     crit = sel.criterion.value
-    record["map_limit_gap"] = sel.curve[0][crit] - sel.map_scores[crit]
-    record["fixed"] = {"prior_var": base.prior_var}
-    record["start"] = f"rho0 such that softplus(rho0) = {a0:.4g} * kl_weight / {principled:.4g}"
-    post.meta["selection"] = record
+    sel.extra["map_limit_gap"] = sel.curve[0][crit] - sel.map_scores[crit]
+    sel.extra["fixed"] = {"prior_var": base.prior_var}
+    sel.extra["start"] = f"rho0 such that softplus(rho0) = {a0:.4g} * kl_weight / {principled:.4g}"
+    post.selection = sel
     post.meta["val_nll"] = next(row["nll"] for row in sel.curve if row["kl_weight"] == sel.chosen)
     return post

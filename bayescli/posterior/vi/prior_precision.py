@@ -17,7 +17,7 @@ direction the likelihood leaves flat. So the grid has no MAP end (``map_side`` i
 MAP's validation scores are recorded beside the curve. The MAP end of the candidate set is instead
 the point mass at ``θ*`` (the variance → 0 limit about the network's own weights): a caller that
 passes ``map_point`` (GLM VI's and GGP VI's post-hoc fits) gets it back when no ``δ`` searched
-scores better than MAP on validation, recorded as ``selection.map_fallback`` with a warning, so a
+scores better than MAP on validation, recorded as ``map_fallback`` in its selection with a warning, so a
 selected posterior is never worse than MAP there (as FSVI, :mod:`bayescli.posterior.vi.fsvi`).
 Without ``map_point`` (Bayes by Backprop, the from-scratch trainers) the record only warns.
 """
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.posterior.selection import Criterion, Scored, log_grid, select_on_grid, unvalidated
+from bayescli.posterior.selection import Criterion, Scored, Selection, log_grid, select_on_grid, unvalidated
 
 P = TypeVar("P")
 
@@ -117,24 +117,28 @@ def choose_prior_precision(
     grid: Grid | None = None,
     map_point: Callable[[P], P] | None = None,
     map_point_label: str = "MAP",
-) -> tuple[P, dict, dict]:
-    """The posterior ``run(δ)`` at the chosen ``δ``, its ``prior`` record and its ``selection`` record.
+) -> tuple[P, Selection]:
+    """The posterior ``run(δ)`` at the chosen ``δ`` and how ``δ`` was set (its ``prior`` block:
+    the file's ``prior`` entry, less the value).
 
     ``default()`` gives the principled ``δ_0`` (computed only when needed). ``grid`` replaces the
     grid around ``δ_0`` (the from-scratch trainers' :data:`SELECT_GRID`). ``map_point(best)``, if
     given, returns the point mass at MAP (``best`` is the best candidate, for its records): it is
     returned instead when selection ran against MAP's validation scores and no ``δ`` beat them
-    (``selection.map_fallback``; ``map_point_label`` names the point in the warning, e.g. "the MAP
-    head").
+    (``map_fallback``; ``map_point_label`` names the point in the warning, e.g. "the MAP head").
     """
     require_validation(select, val is not None)
     if given is not None:
         post = run(given)
-        return post, {"value": given, "method": "given"}, unvalidated(SETTING, given, "given", fixed=True)
+        selection = unvalidated(SETTING, given, "given", fixed=True)
+        selection.prior = {"method": "given"}
+        return post, selection
     if not selects(given, select, val is not None):
         base = default()
         post = run(base.value)
-        return post, {"value": base.value, "method": base.method}, unvalidated(SETTING, base.value, base.rule)
+        selection = unvalidated(SETTING, base.value, base.rule)
+        selection.prior = {"method": base.method}
+        return post, selection
     principled = None
     if grid is None:
         principled = default().value
@@ -156,8 +160,8 @@ def choose_prior_precision(
         extensions=grid.extensions,
         extend_by=grid.extend_by,
     )
-    record = selection.record()
-    record["objective"] = val.objective
+    selection.extra["objective"] = val.objective
+    selection.prior = {"method": f"val-{criterion.value}", "objective": val.objective}
     if selection.map_scores is not None:
         chosen = next(p for p in selection.curve if p[SETTING] == selection.chosen)
         key = criterion.value
@@ -165,21 +169,18 @@ def choose_prior_precision(
             # No δ beats MAP: return MAP itself, the end of the candidate set.
             post = map_point(post)
             lo, hi = selection.curve[0][SETTING], selection.curve[-1][SETTING]
-            fallback = (
+            selection.map_fallback = True
+            selection.add_warning(
                 f"no {SETTING} in {lo:.3g}–{hi:.3g} improves on MAP's validation {key} "
                 f"({selection.map_scores[key]:.4g} vs best {chosen[key]:.4g}): the posterior is the point "
                 f"mass at {map_point_label} (zero variances)"
             )
-            earlier = record.get("warning")
-            record |= {"map_fallback": True, "warning": f"{earlier}; {fallback}" if earlier else fallback}
-            prior = {"value": post.prior_precision, "method": "map-fallback", "objective": val.objective}
-            return post, prior, record
+            selection.prior = {"method": "map-fallback", "objective": val.objective}
+            return post, selection
         if chosen[key] > selection.map_scores[key]:
-            worse = (
+            selection.add_warning(
                 f"every {SETTING} searched scores a worse validation {key} than MAP "
                 f"(best {chosen[key]:.4g} at {selection.chosen:.3g}, MAP {selection.map_scores[key]:.4g}); "
                 "the network's own predictions score better on this validation set"
             )
-            record["warning"] = "; ".join(w for w in (record.get("warning"), worse) if w)
-    prior = {"value": selection.chosen, "method": f"val-{criterion.value}", "objective": val.objective}
-    return post, prior, record
+    return post, selection
