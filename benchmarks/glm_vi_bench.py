@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import peak_rss_gib  # noqa: E402
+from common import cpu_seconds, linear_head_problem, peak_rss_gib  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.errors import BayescliError  # noqa: E402
 from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
+from bayescli.models import LoadedModel  # noqa: E402
 from bayescli.posterior.gaussian import augment  # noqa: E402
 from bayescli.posterior.vi import ggp_vi, glm_vi  # noqa: E402
 from bayescli.posterior.vi.linearised_glm import GLMData, natural_gradient_vi  # noqa: E402
@@ -49,25 +47,9 @@ ML_ITERATIONS = 250
 
 
 def problem() -> tuple[LoadedModel, ArrayData]:
-    """Features from a Gaussian, labels from a softmax of a random linear map; the "pretrained" head
-    is that map (a head at a good but not optimal point, as after training)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=gen)
-    w = torch.randn(K, D, generator=gen) * 0.15
-    y = torch.multinomial((x @ w.T).softmax(-1), 1, generator=gen).squeeze(1)
-    head = nn.Linear(D, K)
-    with torch.no_grad():
-        head.weight.copy_(w)
-        head.bias.zero_()
-    model = LoadedModel(Classifier(nn.Sequential(head), "0"), ModelSpec.parse("builtin:mlp"), Path(), "", {})
+    """:func:`linear_head_problem` at ``N × D → K``."""
+    model, x, y = linear_head_problem(N, D, K)
     return model, ArrayData(x, y, [str(k) for k in range(K)])
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far: on a shared machine, CPU/threads estimates the
-    uncontended wall time."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def multilabel_problem(likelihood: str, covariance: str) -> tuple[GLMData, torch.Tensor, torch.Tensor]:

@@ -22,41 +22,26 @@ Run: ``python benchmarks/glm_vi_cost.py [--rows 5000] [--threads 2] [--no-val]``
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import setup_threads  # noqa: E402
+from common import cpu_seconds, linear_head_problem, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
+from bayescli.models import LoadedModel  # noqa: E402
 from bayescli.posterior.vi import glm_vi  # noqa: E402
 
 D, K, N_VAL = 500, 10, 1000
 
 
-def cpu_seconds() -> float:
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
-
-
 def problem(n: int) -> tuple[LoadedModel, ArrayData, ArrayData]:
-    """The head ``W [K, D]`` (scale 0.15) and ``n`` fitting + ``N_VAL`` validation rows labelled by it."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n + N_VAL, D, generator=gen)
-    w = torch.randn(K, D, generator=gen) * 0.15
-    y = torch.multinomial((x @ w.T).softmax(-1), 1, generator=gen).squeeze(1)
-    head = nn.Linear(D, K)
-    with torch.no_grad():
-        head.weight.copy_(w)
-        head.bias.zero_()
-    model = LoadedModel(Classifier(nn.Sequential(head), "0"), ModelSpec.parse("builtin:mlp"), Path(), "", {})
+    """:func:`linear_head_problem` with ``n`` fitting and ``N_VAL`` validation rows."""
+    model, x, y = linear_head_problem(n + N_VAL, D, K)
     names = [str(k) for k in range(K)]
     return model, ArrayData(x[:n], y[:n], names), ArrayData(x[n:], y[n:], names)
 
