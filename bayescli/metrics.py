@@ -303,21 +303,22 @@ def ood_metrics(score_in: torch.Tensor, score_out: torch.Tensor, curve_points: i
 def tie_note(where: str, scores: dict[str, float], float32_max_prob: dict[str, float]) -> str:
     """One line for OOD set ``where``: the reported scores ``{"METHOD SCORE": share}`` whose values
     tie, and the methods ``{METHOD: share}`` whose float32 max probability ties (saturates)."""
+
+    def shares(by_name: dict[str, float]) -> str:
+        return ", ".join(
+            f"{name} {share:.1%}" for name, share in sorted(by_name.items(), key=lambda kv: -kv[1])
+        )
+
     parts = []
     if scores:
-        shares = ", ".join(
-            f"{name} {share:.1%}" for name, share in sorted(scores.items(), key=lambda kv: -kv[1])
-        )
         parts.append(
-            f"tied scores ({shares} of the pooled inputs): a tie ranks half right, so such an AUROC "
-            "measures the ties; prefer a score that still separates them (max_logit, energy)"
+            f"tied scores ({shares(scores)} of the pooled inputs): a tie ranks half right, so such an "
+            "AUROC measures the ties; prefer a score that still separates them (max_logit, energy)"
         )
     if float32_max_prob:
-        shares = ", ".join(
-            f"{m} {share:.1%}" for m, share in sorted(float32_max_prob.items(), key=lambda kv: -kv[1])
-        )
         parts.append(
-            f"max probability saturated at 1.0 in float32 ({shares} of the pooled inputs tie): max_prob "
+            f"max probability saturated at 1.0 in float32 ({shares(float32_max_prob)} of the pooled "
+            "inputs tie): max_prob "
             "is ranked by log-odds from the log-probabilities, but one computed on float32 "
             "probabilities would be an artefact of those ties"
         )
