@@ -167,8 +167,8 @@ def sigmoid_predictive(mean: torch.Tensor, var: torch.Tensor) -> Scored:
     """The per-label predictive ``E[σ(f)]`` ``[N, K]`` (in ``mean``'s dtype) with its float64
     log-odds ``log E[σ(f)] − log E[σ(−f)]`` (:func:`log_mean_sigmoid` each), so that the
     per-label NLL stays exact at any margin."""
-    p = gaussian_expectations(mean, var)[1]
-    return Scored(p.to(mean.dtype), log_odds=log_mean_sigmoid(mean, var) - log_mean_sigmoid(-mean, var))
+    log_p = log_mean_sigmoid(mean, var)
+    return Scored(log_p.exp().to(mean.dtype), log_odds=log_p - log_mean_sigmoid(-mean, var))
 
 
 def bernoulli_expectations(
