@@ -35,15 +35,15 @@ _EXPORTS = {
     "entropy_of_mean": "bayescli.predictive.dirichlet",
     "expected_entropy": "bayescli.predictive.dirichlet",
     "evaluate": "bayescli.api",
-    "extract_features": "bayescli.features",
+    "extract_features": "bayescli.models.features",
     "fit": "bayescli.api",
-    "FitSource": "bayescli.fit_source",
+    "FitSource": "bayescli.methods.fit_source",
     "fit_laplace": "bayescli.posterior",
     "laplace_bridge": "bayescli.predictive.dirichlet",
     "LaplacePosterior": "bayescli.posterior",
     "load": "bayescli.api",
     "load_posterior": "bayescli.posterior.base",
-    "load_classifier": "bayescli.models",
+    "load_classifier": "bayescli.models.specs",
     "load_data": "bayescli.data",
     "log_density": "bayescli.predictive.dirichlet",
     "LogitGaussian": "bayescli.posterior",
@@ -66,6 +66,9 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 
 def __getattr__(name: str):
     if name in _EXPORTS:
+        if _EXPORTS[name] != "bayescli.errors":
+            # the API installs Posterior.predict: every posterior reached from here can predict
+            importlib.import_module("bayescli.api")
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

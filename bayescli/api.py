@@ -29,14 +29,20 @@ from torch import nn
 from bayescli.data import ArrayData, Data
 from bayescli.data.base import Source
 from bayescli.errors import BayescliError, require
-from bayescli.features import parse_precision
-from bayescli.fit_source import FitSource
-from bayescli.fitting import DataOptions, ModelOptions, check_labels, fit_posterior, require_likelihood
-from bayescli.models import LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.fitting import (
+    DataOptions,
+    ModelOptions,
+    check_labels,
+    fit_posterior,
+    require_likelihood,
+)
+from bayescli.methods.registry import create_settings
+from bayescli.methods.registry import methods as _methods
+from bayescli.models.features import parse_precision
+from bayescli.models.preprocess import Preprocess
+from bayescli.models.specs import LoadedModel, ModelSpec
 from bayescli.posterior.base import Posterior, load_posterior
-from bayescli.preprocess import Preprocess
-from bayescli.registry import create_settings
-from bayescli.registry import methods as _methods
 
 MEMORY_KIND = "memory"  # the model-spec kind of a module that was only ever in memory
 
@@ -86,7 +92,7 @@ def as_model(
     model_args: Sequence[str] = (),
 ) -> LoadedModel:
     """A :class:`LoadedModel` from a module in hand, a loaded model or a spec + ``checkpoint``."""
-    from bayescli.classifier import Classifier, find_head
+    from bayescli.models.classifier import Classifier, find_head
 
     if isinstance(model, LoadedModel):
         return model
@@ -300,7 +306,7 @@ def predict(
     [N, K]``, ``alpha`` where defined, ``logit_mean``/``logit_var [N, K]``). Defaults: the GLM
     predictive with the probit link, or the Dirichlet mean for a native-Dirichlet posterior.
     ``precision`` of the feature pass: default the one ``post`` was fitted at."""
-    from bayescli.features import (
+    from bayescli.models.features import (
         check_precision,
         extract_features,
         require_last_layer_precision,
@@ -415,8 +421,8 @@ def select(
     ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` | ``brier`` | ``auroc``). Returns
     the leaderboard (``bayescli select``'s ``leaderboard.json``) and the posteriors by method;
     ``out_dir`` also writes their files. ``precision``: the feature pass's, as in :func:`fit`."""
-    from bayescli.model_selection import DEFAULT_METHODS, SelectOptions
-    from bayescli.model_selection import select as run_select
+    from bayescli.methods.select import DEFAULT_METHODS, SelectOptions
+    from bayescli.methods.select import select as run_select
 
     loaded = as_model(model, head=head, preprocess=preprocess)
     loaded = dataclasses.replace(loaded, precision=parse_precision(precision))
@@ -436,3 +442,7 @@ def select(
     for post in posts.values():
         post.model, post.fit_data, post.val_data = loaded, fit_data, val_data
     return board, posts
+
+
+# Posterior.predict is this module's predict: the posterior layer below cannot import it.
+Posterior.api_predict = predict

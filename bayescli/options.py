@@ -138,7 +138,7 @@ MULTILABEL_OOD_SCORES = "max-sigmoid,total-entropy,joint-energy,mi-sum,mi-max,kn
 
 
 class PreprocessPreset(str, Enum):
-    """Where the input recipe comes from (see :mod:`bayescli.preprocess`)."""
+    """Where the input recipe comes from (see :mod:`bayescli.models.preprocess`)."""
 
     TIMM = "timm"
     TORCHVISION = "torchvision"

@@ -44,7 +44,7 @@ def linear_head_problem(rows: int, dim: int, classes: int) -> tuple[object, torc
     good but not optimal point, as after training)."""
     from torch import nn
 
-    from bayescli.models import Classifier, LoadedModel, ModelSpec
+    from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, dim, generator=gen)

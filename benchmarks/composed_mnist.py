@@ -52,8 +52,8 @@ def table(model: str, ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict
     """MAP vs Laplace vs MNVI on composed MNIST (rows of the README table)."""
     import bayescli
     from bayescli.data import load_data
-    from bayescli.laplace_fit import PriorRule
-    from bayescli.models import load_classifier
+    from bayescli.methods.laplace import PriorRule
+    from bayescli.models.specs import load_classifier
 
     loaded = load_classifier(model, ckpt)
     train, val, test = (
@@ -138,7 +138,7 @@ def main() -> None:
         trained_summary = {k: summary[k] for k in ("train_accuracy", "val_accuracy", "val_subset_accuracy")}
 
     from bayescli.data import load_data
-    from bayescli.models import load_classifier
+    from bayescli.models.specs import load_classifier
     from bayescli.training.classifier import multilabel_accuracy
 
     model = load_classifier(args.model, ckpt).classifier.eval()

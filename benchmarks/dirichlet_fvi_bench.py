@@ -36,12 +36,12 @@ from common import best_of, peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.dirichlet import dirichlet_from_samples, dirichlet_to_gaussian_diag, fit_precision  # noqa: E402
-from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.models import Classifier, LoadedModel, ModelSpec  # noqa: E402
+from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec  # noqa: E402
 from bayescli.options import Subset  # noqa: E402
 from bayescli.posterior.base import load_posterior  # noqa: E402
 from bayescli.posterior.vi.budget import head_epochs  # noqa: E402
-from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig, default_tau, fit  # noqa: E402
+from bayescli.posterior.vi.dirichlet_fvi import fit  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_objective import MINKA_MAX_ITER, smoothed_samples  # noqa: E402
 from bayescli.posterior.vi.dirichlet_fvi_posterior import (  # noqa: E402
     PREDICT_CHUNK_ELEMENTS,
@@ -53,6 +53,7 @@ from bayescli.posterior.vi.dirichlet_fvi_samples import (  # noqa: E402
     head_logits,
     init_head,
 )
+from bayescli.posterior.vi.dirichlet_fvi_settings import DirichletFVIConfig, default_tau  # noqa: E402
 
 D, K, N_TRAIN, N_TEST = 2048, 1000, 20_000, 10_000
 

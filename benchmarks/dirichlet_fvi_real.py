@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from bayescli.data import load_data
 from bayescli.data.shifts import rotate
-from bayescli.metrics import accuracy, ece
-from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
+from bayescli.metrics.classification import accuracy, ece
+from bayescli.models.specs import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
 from bayescli.training import dirichlet_fvi as scratch
 

@@ -31,10 +31,10 @@ import torch
 
 from bayescli.data import load_data
 from bayescli.data.shifts import rotate
-from bayescli.features import extract_features
-from bayescli.fit_source import FitSource
-from bayescli.metrics import accuracy, ece, entropy, nll, ood_metrics
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import accuracy, ece, entropy, nll, ood_metrics
+from bayescli.models.features import extract_features
+from bayescli.models.specs import load_classifier
 from bayescli.options import TrainConfig
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi import fsvi

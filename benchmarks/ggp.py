@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import setup_threads  # noqa: E402
 
 from bayescli.data import Data, load_data  # noqa: E402
-from bayescli.features import Features, extract_features  # noqa: E402
-from bayescli.metrics import classification_summary, nll  # noqa: E402
-from bayescli.models import LoadedModel, load_classifier  # noqa: E402
+from bayescli.metrics.classification import classification_summary, nll  # noqa: E402
+from bayescli.models.features import Features, extract_features  # noqa: E402
+from bayescli.models.specs import LoadedModel, load_classifier  # noqa: E402
 from bayescli.posterior.laplace import fit_laplace  # noqa: E402
 from bayescli.predictive.ggp import GGPPredictor  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402

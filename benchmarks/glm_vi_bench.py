@@ -33,8 +33,8 @@ from common import cpu_seconds, linear_head_problem, peak_rss_gib  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.errors import BayescliError  # noqa: E402
-from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.models import LoadedModel  # noqa: E402
+from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.models.specs import LoadedModel  # noqa: E402
 from bayescli.posterior.gaussian import augment  # noqa: E402
 from bayescli.posterior.vi import ggp_vi, glm_vi  # noqa: E402
 from bayescli.posterior.vi.linearised_glm import GLMData, natural_gradient_vi  # noqa: E402

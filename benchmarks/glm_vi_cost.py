@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_seconds, linear_head_problem, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.models import LoadedModel  # noqa: E402
+from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.models.specs import LoadedModel  # noqa: E402
 from bayescli.posterior.vi import glm_vi  # noqa: E402
 
 D, K, N_VAL = 500, 10, 1000

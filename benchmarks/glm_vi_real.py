@@ -49,10 +49,10 @@ from sklearn.model_selection import train_test_split
 
 from bayescli.data import ArrayData
 from bayescli.errors import LowAccuracyWarning
-from bayescli.features import Features, extract_features
-from bayescli.fit_source import FitSource
-from bayescli.metrics import ece, nll
-from bayescli.models import Classifier, LoadedModel, ModelSpec, build_network, last_linear_name
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import ece, nll
+from bayescli.models.features import Features, extract_features
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, build_network, last_linear_name
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.laplace import fit_laplace
 from bayescli.posterior.vi import bbb, ggp_vi, glm_vi

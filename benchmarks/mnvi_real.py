@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from bayescli import metrics
 from bayescli.data import load_data
-from bayescli.fit_source import FitSource
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics import classification as metrics
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.vi.mnvi import MNVIConfig, fit
 from bayescli.predictive.links import monte_carlo
 from bayescli.progress import set_enabled

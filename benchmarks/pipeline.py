@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.features import extract_features  # noqa: E402
-from bayescli.models import load_classifier  # noqa: E402
+from bayescli.models.features import extract_features  # noqa: E402
+from bayescli.models.specs import load_classifier  # noqa: E402
 from bayescli.posterior.laplace import LaplacePosterior  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli import devices  # noqa: E402
-from bayescli.features import autocast, backbone_layout, check_precision  # noqa: E402
-from bayescli.models import Classifier  # noqa: E402
+from bayescli.models.features import autocast, backbone_layout, check_precision  # noqa: E402
+from bayescli.models.specs import Classifier  # noqa: E402
 from bayescli.options import Precision  # noqa: E402
 from bayescli.posterior.laplace import LaplacePosterior  # noqa: E402
 from bayescli.predictive.links import probit  # noqa: E402

@@ -52,10 +52,10 @@ import glm_vi_real  # noqa: E402
 from bayescli.data import Data, load_data  # noqa: E402
 from bayescli.dirichlet import correct  # noqa: E402
 from bayescli.errors import LowAccuracyWarning  # noqa: E402
-from bayescli.features import extract_features  # noqa: E402
-from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.metrics import accuracy, ece, mmc, nll, ood_metrics  # noqa: E402
-from bayescli.models import Classifier, LoadedModel, ModelSpec, last_linear_name  # noqa: E402
+from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.metrics.classification import accuracy, ece, mmc, nll, ood_metrics  # noqa: E402
+from bayescli.models.features import extract_features  # noqa: E402
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, last_linear_name  # noqa: E402
 from bayescli.posterior.curvature import network_jacobian  # noqa: E402
 from bayescli.posterior.gaussian import LogitGaussian  # noqa: E402
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace  # noqa: E402

@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bayescli import metrics
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import require
-from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name, register_builtin
+from bayescli.metrics import classification as metrics
+from bayescli.models.specs import Classifier, ModelSpec, build_network, last_linear_name, register_builtin
 from bayescli.options import TrainConfig
 from bayescli.posterior.vi import fsvi
 from bayescli.posterior.vi.mnvi import MNVIConfig

@@ -25,11 +25,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from common import peak_rss_gib, setup_threads  # noqa: E402
 
-from bayescli.classifier import Classifier  # noqa: E402
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.fit_source import FitSource  # noqa: E402
-from bayescli.model_selection import DEFAULT_METHODS, SelectOptions, select  # noqa: E402
-from bayescli.models import LoadedModel, ModelSpec  # noqa: E402
+from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.methods.select import DEFAULT_METHODS, SelectOptions, select  # noqa: E402
+from bayescli.models.classifier import Classifier  # noqa: E402
+from bayescli.models.specs import LoadedModel, ModelSpec  # noqa: E402
 
 D, K = 2048, 1000
 

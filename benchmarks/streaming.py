@@ -65,9 +65,9 @@ def throughput(folder: Path, ckpt: Path, repeat: int) -> dict:
     from torchvision.transforms import v2
 
     from bayescli.data import load_data
-    from bayescli.features import extract_features
-    from bayescli.models import load_classifier
-    from bayescli.preprocess import Preprocess
+    from bayescli.models.features import extract_features
+    from bayescli.models.preprocess import Preprocess
+    from bayescli.models.specs import load_classifier
 
     pre = Preprocess("bench", resize=256, crop=224)
     model = load_classifier("timm:resnet18", ckpt, preprocess=pre)

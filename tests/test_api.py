@@ -13,9 +13,9 @@ import bayescli
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors
-from bayescli.models import load_classifier
+from bayescli.methods.registry import REGISTRY
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior
-from bayescli.registry import REGISTRY
 
 # Few rows and epochs: the point is equality of the two paths, not quality.
 LIMIT = 200

@@ -10,7 +10,7 @@ import torch
 from tolerance import assert_close
 
 from bayescli.evaluation.attacks import fgsm
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 
 STEP = 1e-12  # one float64 rounding of a value ≤ 1 is ≤ 1.1e-16; see the module docstring
 

@@ -13,8 +13,8 @@ from vi_oracles import glm_elbo, last_layer_design, maximise_elbo
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.fit_source import FitSource
-from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.bbb import (
     BayesConv2d,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers_models import tiny_mlp
 
-from bayescli.checkpoints import load_weights, read_checkpoint, resolve_weights, tensor_dicts
 from bayescli.errors import BayescliError
 from bayescli.io import sha256_file
-from bayescli.models import load_classifier
+from bayescli.models.checkpoints import load_weights, read_checkpoint, resolve_weights, tensor_dicts
+from bayescli.models.specs import load_classifier
 
 SPEC = "py:helpers_models:tiny_mlp"
 
@@ -469,7 +469,7 @@ def test_wrong_variant_says_check_the_variant(tmp_path):
 
 def test_wrong_class_count_says_the_class_count(tmp_path):
     from bayescli.io import save_tensors
-    from bayescli.models import mlp
+    from bayescli.models.specs import mlp
 
     path = tmp_path / "five.pt"
     torch.save(_net(k=5).state_dict(), path)

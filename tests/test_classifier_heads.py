@@ -1,7 +1,7 @@
 """Networks whose output is not a logits tensor, and heads that are not a bare ``nn.Linear``.
 
 Each network here is small enough for the file to run in seconds on a CPU; the checks compare what
-:class:`bayescli.classifier.Classifier` exposes (``net``, ``forward``, ``features``, ``head``) with the
+:class:`bayescli.models.classifier.Classifier` exposes (``net``, ``forward``, ``features``, ``head``) with the
 tensors the network computes itself.
 """
 
@@ -16,11 +16,11 @@ import torch
 from tolerance import assert_below, assert_close
 from torch import nn
 
-from bayescli.classifier import Classifier, find_head, last_linear_name
 from bayescli.data.base import ArrayData
 from bayescli.errors import BayescliError
-from bayescli.features import extract_features, logit_pass
-from bayescli.models import LoadedModel, ModelSpec
+from bayescli.models.classifier import Classifier, find_head, last_linear_name
+from bayescli.models.features import extract_features, logit_pass
+from bayescli.models.specs import LoadedModel, ModelSpec
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.laplace import fit_laplace
 from bayescli.predictive.links import apply_link

@@ -43,7 +43,7 @@ def test_train_writes_checkpoint_with_metadata(cli, tmp_path):
 
 def test_small_cnn_reaches_95_percent_on_digits(digits_ckpt):
     from bayescli.data import load_data
-    from bayescli.models import load_classifier
+    from bayescli.models.specs import load_classifier
     from bayescli.training.classifier import accuracy
 
     loaded = load_classifier("builtin:small-cnn", digits_ckpt)

@@ -13,7 +13,7 @@ from tolerance import assert_close
 
 from bayescli.errors import BayescliError
 from bayescli.evaluation import detectors as det
-from bayescli.metrics import ood_metrics
+from bayescli.metrics.classification import ood_metrics
 
 RTOL = 1e-6  # see the module docstring: observed agreement ~1e-12
 

@@ -21,21 +21,13 @@ from bayescli.dirichlet import (
     log_density,
 )
 from bayescli.errors import BayescliError
-from bayescli.features import extract_features
-from bayescli.fit_source import FitSource
-from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name, load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.features import extract_features
+from bayescli.models.specs import Classifier, ModelSpec, build_network, last_linear_name, load_classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.selection import Criterion
-from bayescli.posterior.vi.dirichlet_fvi import (
-    FAMILIES,
-    PRINCIPLED_RULE,
-    TAU_GRID,
-    DirichletFVIConfig,
-    default_tau,
-    dirichlet_nll,
-    fit,
-)
+from bayescli.posterior.vi.dirichlet_fvi import PRINCIPLED_RULE, TAU_GRID, dirichlet_nll, fit
 from bayescli.posterior.vi.dirichlet_fvi_objective import (
     GAMMA,
     dirichlet_kl,
@@ -45,6 +37,7 @@ from bayescli.posterior.vi.dirichlet_fvi_objective import (
 )
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import head_logits
+from bayescli.posterior.vi.dirichlet_fvi_settings import FAMILIES, DirichletFVIConfig, default_tau
 from bayescli.predictive.dirichlet import bridge_alpha, laplace_bridge
 from bayescli.predictive.links import apply_link
 from bayescli.training import dirichlet_fvi as scratch

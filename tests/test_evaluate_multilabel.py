@@ -20,11 +20,11 @@ from tolerance import assert_close
 from bayescli.data import load_data
 from bayescli.data.corruptions import corrupt
 from bayescli.data.shifts import rotate, synthetic_ood
-from bayescli.features import extract_features
+from bayescli.evaluation.report import figures, render_html
 from bayescli.io import load_tensors, save_tensors
+from bayescli.models.features import extract_features
 from bayescli.posterior.base import load_posterior
 from bayescli.predictive.glm import predict
-from bayescli.report import figures, render_html
 from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 METHODS = "map,glm-none,glm-probit,glm-mc,glm-beta"

@@ -11,8 +11,8 @@ from bayescli.errors import BayescliError
 from bayescli.evaluation.attacks import fgsm, parse_epsilons
 from bayescli.evaluation.gates import check_gates, parse_gate, resolve
 from bayescli.evaluation.methods import parse_methods
-from bayescli.metrics import ece, ood_metrics, reliability, selective
-from bayescli.models import load_classifier
+from bayescli.metrics.classification import ece, ood_metrics, reliability, selective
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.selection import Selection
 
 
@@ -197,7 +197,7 @@ def _scored_problem():
     (flat mean, large variance: the case every uncertainty score must rank as OOD)."""
     from conftest import random_head
 
-    from bayescli.features import Features
+    from bayescli.models.features import Features
     from bayescli.posterior import LaplacePosterior
 
     d, k = 5, 3
@@ -412,7 +412,7 @@ def test_detectors_are_fitted_on_the_fitting_data_only(digits_posterior):
     from bayescli.evaluation import detectors as det
     from bayescli.evaluation.config import BaselineConfig, EvalConfig, parse_ood_scores
     from bayescli.evaluation.runner import load_ood, run_evaluation
-    from bayescli.features import extract_features
+    from bayescli.models.features import extract_features
     from bayescli.posterior.base import load_posterior
 
     post = load_posterior(digits_posterior)
@@ -666,7 +666,7 @@ def test_a_near_zero_variance_bridge_posterior_is_explained():
 
     from bayescli.evaluation.methods import MethodOutput, expand_methods
     from bayescli.evaluation.runner import degenerate_posteriors
-    from bayescli.metrics import near_zero_variance_warning
+    from bayescli.metrics.classification import near_zero_variance_warning
 
     line = near_zero_variance_warning("glm-bridge", 3.1e15, 0.0, 1e8)
     assert "logit variance is near zero" in line and "δ = 1e+08" in line and "not chosen on held-out" in line

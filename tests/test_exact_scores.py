@@ -15,14 +15,20 @@ from scipy.special import logsumexp
 
 import bayescli
 from bayescli.data import load_data
-from bayescli.features import extract_features
-from bayescli.fit_source import FitSource
-from bayescli.fitting import ModelOptions, fit_from_specs
 from bayescli.io import load_tensors, save_tensors
-from bayescli.laplace_fit import LaplaceSettings
-from bayescli.metrics import classification_summary, map_log_probabilities, nll, ood_metrics, tied_fraction
-from bayescli.model_selection import score_probs
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.fitting import ModelOptions, fit_from_specs
+from bayescli.methods.laplace import LaplaceSettings
+from bayescli.methods.select import score_probs
+from bayescli.metrics.classification import (
+    classification_summary,
+    map_log_probabilities,
+    nll,
+    ood_metrics,
+    tied_fraction,
+)
+from bayescli.models.features import extract_features
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.selection import scores

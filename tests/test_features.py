@@ -2,8 +2,8 @@ import torch
 from tolerance import assert_close
 
 from bayescli.data import load_data
-from bayescli.features import extract_features
-from bayescli.models import load_classifier
+from bayescli.models.features import extract_features
+from bayescli.models.specs import load_classifier
 
 
 def test_features_reproduce_logits_and_cache_is_keyed(digits_ckpt, tmp_path):

@@ -13,10 +13,10 @@ from tolerance import assert_below
 from torch import nn
 from vi_oracles import last_layer_design, maximise_elbo
 
-from bayescli.classifier import Classifier
 from bayescli.data import ArrayData
-from bayescli.fit_source import FitSource
-from bayescli.models import LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.classifier import Classifier
+from bayescli.models.specs import LoadedModel, ModelSpec
 from bayescli.posterior.vi import budget, dirichlet_fvi, fsvi, mnvi
 from bayescli.posterior.vi.budget import head_epochs
 from bayescli.posterior.vi.glm_vi import GLMVIConfig

@@ -9,8 +9,8 @@ import torch
 
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors
+from bayescli.methods.registry import parse_setting
 from bayescli.posterior.base import load_posterior
-from bayescli.registry import parse_setting
 
 FITS = {
     "mnvi": ["--epochs", "2"],
@@ -63,7 +63,7 @@ def test_vi_posteriors_in_evaluate_with_laplace(vi_posteriors, digits_posterior,
 def test_bridge_link_returns_the_native_dirichlet(vi_posteriors, tmp_path, cli):
     """Dirichlet fVI's logit Gaussian is the bridge image of its own α: predict --bridge gives α back."""
     from bayescli.data import load_data
-    from bayescli.features import extract_features
+    from bayescli.models.features import extract_features
 
     path = vi_posteriors["dirichlet-fvi"]
     res = cli("predict", "--posterior", path, "--data", "digits:test", "--limit", "25", "--bridge",

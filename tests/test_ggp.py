@@ -5,7 +5,7 @@ import torch
 from conftest import random_head
 from tolerance import assert_below, assert_close
 
-from bayescli.features import Features
+from bayescli.models.features import Features
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.refine import objective, refine_mode
@@ -108,7 +108,7 @@ def test_weight_space_refinement_never_lowers_objective_large_head_lbfgs():
 
 def test_all_layer_ggp_gives_valid_covariances():
     from bayescli.data import ArrayData
-    from bayescli.models import Classifier
+    from bayescli.models.specs import Classifier
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()

@@ -17,10 +17,10 @@ from torch import nn
 from vi_oracles import gp_vi_optimum, last_layer_design, maximise_elbo, network_jacobian_autograd
 
 from bayescli.data import ArrayData, load_data
-from bayescli.features import extract_features
-from bayescli.fit_source import FitSource
-from bayescli.metrics import accuracy, nll
-from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import accuracy, nll
+from bayescli.models.features import extract_features
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.laplace import fit_laplace
 from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit

@@ -22,8 +22,8 @@ from vi_oracles import (
 
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
-from bayescli.fit_source import FitSource
-from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.glm_vi import GLMVIConfig, GLMVIPosterior, fit

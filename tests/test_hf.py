@@ -1,4 +1,4 @@
-"""bayescli.hf: Hugging Face image classifiers from a local ``save_pretrained`` folder.
+"""bayescli.models.hf: Hugging Face image classifiers from a local ``save_pretrained`` folder.
 
 Tiny randomly initialised ViT / ResNet / ConvNeXt models are saved with ``save_pretrained``; the
 network rebuilt from the folder's config, with the weights read outside transformers, must give the
@@ -21,18 +21,18 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from tolerance import assert_below, assert_close  # noqa: E402
 
-import bayescli.hf  # noqa: E402
-from bayescli.classifier import last_linear_name  # noqa: E402
+import bayescli.models.hf  # noqa: E402
 from bayescli.errors import BayescliError  # noqa: E402
-from bayescli.hf import (  # noqa: E402
+from bayescli.models.classifier import last_linear_name  # noqa: E402
+from bayescli.models.hf import (  # noqa: E402
     build_hf_network,
     hf_class_names,
     hf_folder_files,
     hf_preprocess,
     hf_state_dict,
 )
+from bayescli.models.preprocess import Preprocess  # noqa: E402
 from bayescli.options import Interpolation  # noqa: E402
-from bayescli.preprocess import Preprocess  # noqa: E402
 
 LABELS = [f"class-{i}" for i in range(3)]
 
@@ -91,7 +91,7 @@ def saved(tmp_path_factory):
 
 
 def _load_weights(net: nn.Module, weights: Path) -> None:
-    # Stands in for bayescli.checkpoints.read_checkpoint, which load_classifier uses.
+    # Stands in for bayescli.models.checkpoints.read_checkpoint, which load_classifier uses.
     if weights.suffix == ".safetensors":
         state = load_file(weights)
     else:
@@ -478,10 +478,10 @@ def test_configs_transformers_cannot_build_as_an_image_classifier(tmp_path):
 
 
 def test_bayescli_hf_imports_without_transformers(monkeypatch):
-    # A fresh import with transformers made unimportable fails if bayescli.hf imports it at load time.
-    original = sys.modules["bayescli.hf"]
+    # A fresh import with transformers made unimportable fails if bayescli.models.hf imports it at load time.
+    original = sys.modules["bayescli.models.hf"]
     monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.delitem(sys.modules, "bayescli.hf")
+    monkeypatch.delitem(sys.modules, "bayescli.models.hf")
     monkeypatch.setattr(bayescli, "hf", original)  # the re-import rebinds it; restored afterwards
-    fresh = importlib.import_module("bayescli.hf")
+    fresh = importlib.import_module("bayescli.models.hf")
     assert fresh is not original and callable(fresh.build_hf_network)

@@ -17,9 +17,9 @@ from bayescli import progress
 from bayescli.cli.common import floats
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
+from bayescli.methods.registry import parse_setting
+from bayescli.models.preprocess import Preprocess, PreprocessOverrides
 from bayescli.numbers import parse_number, parse_numbers
-from bayescli.preprocess import Preprocess, PreprocessOverrides
-from bayescli.registry import parse_setting
 
 # ---------------------------------------------------------------- numbers and fractions
 
@@ -119,8 +119,8 @@ def test_a_3_channel_preset_on_a_grey_net_is_refused(cli, digits_ckpt, tmp_path,
 
 
 def test_truncated_checkpoints_and_posteriors_are_named(cli, digits_ckpt, digits_posterior, tmp_path):
-    from bayescli.checkpoints import read_checkpoint
-    from bayescli.models import load_classifier
+    from bayescli.models.checkpoints import read_checkpoint
+    from bayescli.models.specs import load_classifier
 
     net = load_classifier("builtin:small-cnn", digits_ckpt).classifier.network
     full_pt = tmp_path / "full.pt"

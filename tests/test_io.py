@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from bayescli.checkpoints import read_checkpoint
 from bayescli.errors import BayescliError
 from bayescli.io import atomic_path, load_tensors, save_tensors, sha256_file, write_json
+from bayescli.models.checkpoints import read_checkpoint
 
 
 def test_atomic_path_leaves_nothing_on_failure(tmp_path):

@@ -14,10 +14,10 @@ from tolerance import assert_below, assert_close
 
 from bayescli import api
 from bayescli.errors import BayescliError
-from bayescli.features import Features, extract_features
-from bayescli.fitting import ModelOptions
 from bayescli.io import load_tensors, save_tensors
-from bayescli.metrics_multilabel import per_label_nll
+from bayescli.methods.fitting import ModelOptions
+from bayescli.metrics.multilabel import per_label_nll
+from bayescli.models.features import Features, extract_features
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.selection import scores

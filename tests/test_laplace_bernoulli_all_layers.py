@@ -14,11 +14,11 @@ from oracles import autograd_jacobian
 from tolerance import assert_below, assert_close
 
 from bayescli import api
-from bayescli.classifier import Classifier
 from bayescli.data.base import ArrayData
-from bayescli.features import Features
-from bayescli.fitting import ModelOptions
 from bayescli.io import load_tensors
+from bayescli.methods.fitting import ModelOptions
+from bayescli.models.classifier import Classifier
+from bayescli.models.features import Features
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior import network_curvature as nc
 from bayescli.posterior.network_curvature import all_layer_curvature

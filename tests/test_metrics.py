@@ -11,7 +11,16 @@ import pytest
 import torch
 from tolerance import assert_close
 
-from bayescli.metrics import accuracy, brier, classification_summary, ece, entropy, mmc, nll, ood_metrics
+from bayescli.metrics.classification import (
+    accuracy,
+    brier,
+    classification_summary,
+    ece,
+    entropy,
+    mmc,
+    nll,
+    ood_metrics,
+)
 
 F64 = 1e-10  # float64 rounding over ≤ 1e3 terms is ≤ 1e-13; see the module docstring
 
@@ -139,7 +148,7 @@ def _adaptive_and_max_oracle(p: np.ndarray, y: np.ndarray, bins: int) -> tuple[f
 
 
 def test_calibration_extras_against_numpy_loops():
-    from bayescli.metrics import adaptive_ece, classwise_ece, mce
+    from bayescli.metrics.classification import adaptive_ece, classwise_ece, mce
 
     rng = np.random.default_rng(5)
     # labels drawn from p make the bin gaps change sign, so the binning matters (with random
@@ -157,7 +166,7 @@ def test_calibration_extras_against_numpy_loops():
 
 
 def test_calibration_extras_on_hand_table():
-    from bayescli.metrics import adaptive_ece, classwise_ece, mce
+    from bayescli.metrics.classification import adaptive_ece, classwise_ece, mce
 
     # top-label gaps of TABLE's four inputs (each alone in its 15-bin): 0.3, 0.6, 0.5, 0.4
     assert_close(mce(TABLE, LABELS), 0.6, rtol=F64, what="mce")

@@ -26,9 +26,9 @@ from sklearn.metrics import (
 )
 from tolerance import assert_close
 
-from bayescli import metrics_multilabel as mm
 from bayescli.errors import BayescliError
-from bayescli.metrics import ood_metrics
+from bayescli.metrics import multilabel as mm
+from bayescli.metrics.classification import ood_metrics
 
 F64 = 1e-10  # float64 rounding over ≤ 1e4 terms is ≤ 1e-12; see the module docstring
 
@@ -271,7 +271,7 @@ def test_bad_shapes_and_values_raise_one_line():
 
 
 def test_map_accuracy_of_a_multilabel_net_is_per_label_and_its_warning_uses_a_coin_flip():
-    from bayescli.metrics import low_accuracy_warning, map_correct
+    from bayescli.metrics.classification import low_accuracy_warning, map_correct
 
     logits = torch.tensor([[2.0, -1.0, -3.0, 0.5], [-1.0, -2.0, 1.0, 1.0], [1.0, 1.0, 1.0, -1.0]])
     y = torch.tensor([[1, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 0]])
@@ -288,7 +288,7 @@ def test_map_accuracy_of_a_multilabel_net_is_per_label_and_its_warning_uses_a_co
 
 
 def test_low_accuracy_warning_for_two_classes_warns_only_below_chance():
-    from bayescli.metrics import low_accuracy_warning
+    from bayescli.metrics.classification import low_accuracy_warning
 
     # 2× chance is 100% for K = 2: a 99.7%-accurate binary classifier is not fed wrongly
     assert low_accuracy_warning(0.997, 2, "the data") is None

@@ -16,9 +16,9 @@ from torch import nn
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.fit_source import FitSource
 from bayescli.io import load_tensors
-from bayescli.models import ModelSpec, build_network, load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.specs import ModelSpec, build_network, load_classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.mnvi import MNVIConfig, fit, fit_features, start_rho

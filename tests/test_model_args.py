@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bayescli.errors import BayescliError
-from bayescli.model_args import check_file_spec, factory_arguments, is_plain_json, parse_model_args
+from bayescli.models.args import check_file_spec, factory_arguments, is_plain_json, parse_model_args
 
 
 def annotated(input_dim: int, output_dim: int = 10, act: str = "relu", scale: float | None = None,

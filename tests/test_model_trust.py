@@ -79,7 +79,7 @@ def test_a_posterior_of_py_code_needs_the_user_to_name_it(cli, tmp_path, monkeyp
 
 def test_checkpoint_arguments_outside_the_signature_are_not_passed(cli, tmp_path):
     from bayescli.data import load_data
-    from bayescli.models import load_classifier
+    from bayescli.models.specs import load_classifier
     from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
     train = load_data("digits:train", limit=100)

@@ -4,7 +4,7 @@ from safetensors.torch import save_file
 from tolerance import assert_below, assert_close
 
 from bayescli.errors import BayescliError
-from bayescli.models import ModelSpec, load_classifier, mlp, small_cnn
+from bayescli.models.specs import ModelSpec, load_classifier, mlp, small_cnn
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)])

@@ -67,7 +67,7 @@ def test_kron_pushforward_never_needs_dense_covariance(fitted):
 
 @pytest.mark.parametrize("structure", ["diag", "full"])
 def test_all_layer_glm_equals_explicit_jacobian(structure):
-    from bayescli.models import Classifier
+    from bayescli.models.specs import Classifier
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
@@ -229,8 +229,8 @@ def test_log_marglik_equals_dense_oracle_at_several_deltas(fitted, structure):
 
 
 def test_val_nll_picks_the_grid_value_with_lowest_dense_oracle_nll(fitted):
-    from bayescli.features import Features
-    from bayescli.laplace_fit import LaplaceSettings, select_prior
+    from bayescli.methods.laplace import LaplaceSettings, select_prior
+    from bayescli.models.features import Features
 
     phi, head, labels = fitted
     post = LaplacePosterior.fit_last_layer(phi, labels, head, "full")

@@ -13,11 +13,11 @@ import torch
 
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors, save_tensors
+from bayescli.methods.registry import REGISTRY, MethodEntry
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior, load_posterior
 from bayescli.posterior.gaussian import LogitGaussian
 from bayescli.posterior.laplace import LaplacePosterior
-from bayescli.registry import REGISTRY, MethodEntry
 
 SCHEMA = Path(__file__).parents[1] / "bayescli" / "schemas" / "report.schema.json"
 
@@ -100,7 +100,7 @@ def test_predict_accepts_any_registered_posterior(digits_posterior, toy_register
     post = LaplacePosterior.load(digits_posterior)
     model = post.load_model()
     from bayescli.data import load_data
-    from bayescli.features import extract_features
+    from bayescli.models.features import extract_features
 
     feats = extract_features(model, load_data("digits:test", limit=30, seed=0))
     expected = (feats.logits.double() / (1 + torch.pi * 3.0 / 8) ** 0.5).softmax(-1)

@@ -9,8 +9,8 @@ import torch
 from tolerance import assert_close
 
 from bayescli.errors import BayescliError
+from bayescli.models.preprocess import CIFAR_MEAN, Preprocess, resolve_preprocess
 from bayescli.options import Interpolation
-from bayescli.preprocess import CIFAR_MEAN, Preprocess, resolve_preprocess
 
 
 @pytest.mark.parametrize("name", ["resnet18", "vit_base_patch16_224", "efficientnet_b0"])

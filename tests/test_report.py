@@ -3,7 +3,7 @@ checkpoint hash and preprocessing in the page, coverage intervals and undefined 
 
 import struct
 
-from bayescli.report import figures, render_html
+from bayescli.evaluation.report import figures, render_html
 
 METHODS = [f"method-{i}" for i in range(10)]
 SHA = "0123456789abcdef" * 4
@@ -72,7 +72,7 @@ def test_figures_stay_readable_with_ten_methods():
 def test_roc_legend_is_outside_the_axes():
     import matplotlib.pyplot as plt
 
-    from bayescli import report as rp
+    from bayescli.evaluation import report as rp
 
     captured = []
     real = rp._png

@@ -16,7 +16,7 @@ import dirichlet_fvi_real  # noqa: E402
 import seeds_vi  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.metrics import nll  # noqa: E402
+from bayescli.metrics.classification import nll  # noqa: E402
 
 
 def test_kl_weight_keeps_kappa():

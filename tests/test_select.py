@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from bayescli.fit_source import FitSource
 from bayescli.io import load_tensors
-from bayescli.metrics import nll
-from bayescli.model_selection import SelectOptions, select
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.select import SelectOptions, select
+from bayescli.metrics.classification import nll
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior
 
 COMMON = ["--model", "builtin:small-cnn", "--data", "digits:train", "--device", "cpu"]

@@ -12,11 +12,11 @@ import torch
 from tolerance import assert_below
 
 from bayescli.data import load_data
-from bayescli.fit_source import FitSource
-from bayescli.metrics import nll
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import nll
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.vi.dirichlet_fvi import PRINCIPLED_RULE, DirichletFVIConfig, fit, principled_tau
-from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA
+from bayescli.posterior.vi.dirichlet_fvi_settings import GAMMA
 from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 # The MAP end of the search is the MAP head with γ-smoothed probabilities (1 − γ)p + γ/K: its NLL

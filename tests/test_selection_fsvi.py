@@ -14,9 +14,9 @@ import torch
 from tolerance import assert_below, assert_close
 
 from bayescli.data import load_data
-from bayescli.fit_source import FitSource
-from bayescli.metrics import nll
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import nll
+from bayescli.models.specs import load_classifier
 from bayescli.options import Subset
 from bayescli.posterior.vi.fsvi import PRIOR_SCALE_GRID, FSVIConfig, fit
 from bayescli.predictive.links import monte_carlo

@@ -28,9 +28,9 @@ from torch import nn
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.fit_source import FitSource
-from bayescli.metrics import nll
-from bayescli.models import Classifier, LoadedModel, ModelSpec, load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import nll
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, load_classifier
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi import bbb, ggp_vi, glm_vi
 from bayescli.predictive.glm import logit_gaussian, predict

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayescli.metrics import nll
+from bayescli.metrics.classification import nll
 from bayescli.posterior.selection import Scored, select_on_grid
 
 N, K = 200, 4

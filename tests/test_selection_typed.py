@@ -18,13 +18,13 @@ from conftest import random_head
 from tolerance import assert_close
 
 from bayescli.data import load_data
-from bayescli.fit_source import FitSource
-from bayescli.fitting import fit_posterior
 from bayescli.io import load_tensors, save_tensors
-from bayescli.laplace_fit import LaplaceSettings
-from bayescli.laplace_fit import fit as fit_laplace_method
-from bayescli.model_selection import SelectOptions, select
-from bayescli.models import load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.fitting import fit_posterior
+from bayescli.methods.laplace import LaplaceSettings
+from bayescli.methods.laplace import fit as fit_laplace_method
+from bayescli.methods.select import SelectOptions, select
+from bayescli.models.specs import load_classifier
 from bayescli.options import Criterion
 from bayescli.posterior import LaplacePosterior
 from bayescli.posterior.base import load_posterior

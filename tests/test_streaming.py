@@ -19,13 +19,13 @@ from bayescli.data import load_data
 from bayescli.data.corruptions import OfficialSource, corrupt, load_official
 from bayescli.data.shifts import rotate
 from bayescli.errors import BayescliError
-from bayescli.features import FeatureStream, extract_features
 from bayescli.io import load_tensors
-from bayescli.models import load_classifier
+from bayescli.models.features import FeatureStream, extract_features
+from bayescli.models.preprocess import Preprocess
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.curvature import CurvatureAccumulator
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
-from bayescli.preprocess import Preprocess
 from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 
@@ -312,7 +312,7 @@ def test_cli_fit_streams_the_same_posterior_as_an_in_memory_fit(cli, digits_ckpt
 def test_feature_cache_shards_round_trip_and_an_interrupted_pass_leaves_nothing(
     digits_ckpt, tmp_path, monkeypatch
 ):
-    import bayescli.features as features
+    import bayescli.models.features as features
 
     monkeypatch.setattr(features, "SHARD_BYTES", 40_000)  # ~70 rows of 128 + 10 floats per shard
     model = load_classifier("builtin:small-cnn", digits_ckpt)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from bayescli.checkpoints import read_checkpoint
 from bayescli.errors import BayescliError
-from bayescli.models import load_classifier
-from bayescli.unpickle import Inert, module_state_dict, read_torch_pickle
+from bayescli.models.checkpoints import read_checkpoint
+from bayescli.models.specs import load_classifier
+from bayescli.models.unpickle import Inert, module_state_dict, read_torch_pickle
 
 
 class CNN(nn.Module):

@@ -23,12 +23,12 @@ from vi_oracles import expected_log_bernoulli, last_layer_design, maximise_elbo
 from bayescli import api
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
-from bayescli.features import extract_features
-from bayescli.fit_source import FitSource
-from bayescli.fitting import ModelOptions
 from bayescli.io import load_tensors, save_tensors
-from bayescli.metrics_multilabel import per_label_nll
-from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.fitting import ModelOptions
+from bayescli.metrics.multilabel import per_label_nll
+from bayescli.models.features import extract_features
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.bernoulli_expectations import (

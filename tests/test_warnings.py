@@ -11,8 +11,8 @@ import torch
 from bayescli.data import load_data
 from bayescli.data.shifts import rotate
 from bayescli.errors import LowAccuracyWarning, ResizeWarning
-from bayescli.features import extract_features
-from bayescli.models import load_classifier
+from bayescli.models.features import extract_features
+from bayescli.models.specs import load_classifier
 from bayescli.posterior.selection import Selection
 
 
@@ -170,7 +170,7 @@ def test_recipes_within_2x_do_not_warn(cli, conv_ckpt, tmp_path, side, options):
 
 
 def test_load_data_issues_resize_warning(tmp_path):
-    from bayescli.preprocess import resolve_preprocess
+    from bayescli.models.preprocess import resolve_preprocess
 
     pre = resolve_preprocess("imagenet", "builtin:x")
     with pytest.warns(ResizeWarning, match=r"downsamples them 4\.0×"):
@@ -182,7 +182,7 @@ def test_load_data_issues_resize_warning(tmp_path):
 def test_image_folders_warn_on_upsampling_only(tmp_path):
     from PIL import Image
 
-    from bayescli.preprocess import resolve_preprocess
+    from bayescli.models.preprocess import resolve_preprocess
 
     pre = resolve_preprocess("imagenet", "builtin:x")
     for side in (16, 1024):
@@ -288,8 +288,8 @@ def underconfident_ckpt(digits_ckpt, tmp_path_factory) -> Path:
 
 
 def _laplace_selection(ckpt: Path) -> dict:
-    from bayescli.fitting import ModelOptions, fit_from_specs
-    from bayescli.laplace_fit import LaplaceSettings
+    from bayescli.methods.fitting import ModelOptions, fit_from_specs
+    from bayescli.methods.laplace import LaplaceSettings
 
     model = ModelOptions("builtin:small-cnn", ckpt)
     run = fit_from_specs(

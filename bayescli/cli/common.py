@@ -20,10 +20,10 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import Data
-    from bayescli.fitting import DataOptions, ModelOptions
-    from bayescli.models import LoadedModel
+    from bayescli.methods.fitting import DataOptions, ModelOptions
+    from bayescli.models.preprocess import Preprocess
+    from bayescli.models.specs import LoadedModel
     from bayescli.posterior.base import Posterior
-    from bayescli.preprocess import Preprocess
 
 # Wide enough for the metric tables when stdout is a file or pipe (rich would use 80 columns).
 stdout = Console(width=None if sys.stdout.isatty() else 160)
@@ -237,7 +237,7 @@ def preprocess_from_options(
     interpolation: Interpolation | None,
 ) -> Preprocess | None:
     """The input recipe given by ``--preprocess`` and its overrides (``None``: the checkpoint's)."""
-    from bayescli.preprocess import resolve_preprocess
+    from bayescli.models.preprocess import resolve_preprocess
 
     return resolve_preprocess(
         preset, model, floats(mean, "--mean"), floats(std, "--std"), resize, crop, interpolation
@@ -253,8 +253,8 @@ def preprocess_overrides(
     interpolation: Interpolation | None,
 ) -> Any:
     """The prediction-time changes to a posterior's recorded recipe (a
-    :class:`~bayescli.preprocess.PreprocessOverrides`, falsy when none was asked for)."""
-    from bayescli.preprocess import PreprocessOverrides
+    :class:`~bayescli.models.preprocess.PreprocessOverrides`, falsy when none was asked for)."""
+    from bayescli.models.preprocess import PreprocessOverrides
 
     return PreprocessOverrides(
         preset, floats(mean, "--mean"), floats(std, "--std"), resize, crop, interpolation
@@ -280,7 +280,7 @@ def data_options(
     skip_unreadable: bool = False,
 ) -> DataOptions:
     """The data option group (``--data-root``, ``--download``, ``--limit``, …) as one object."""
-    from bayescli.fitting import DataOptions
+    from bayescli.methods.fitting import DataOptions
 
     return DataOptions(data_root, download, limit, seed, num_workers, skip_unreadable)
 
@@ -299,7 +299,7 @@ def model_options(
 ) -> ModelOptions:
     """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object
     (``precision`` ``None``: fp32, a fit's default)."""
-    from bayescli.fitting import ModelOptions
+    from bayescli.methods.fitting import ModelOptions
 
     return ModelOptions(
         model,
@@ -392,7 +392,7 @@ def number(option: str, lo: float | None = None, hi: float | None = None) -> Cal
 
 def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
     """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier of ``likelihood``."""
-    from bayescli.fitting import check_labels as check
+    from bayescli.methods.fitting import check_labels as check
 
     check(data, num_classes, likelihood)
 
@@ -425,12 +425,12 @@ def prepare_prediction(
 ):
     """Load a posterior, its model (hash-verified) and the data, and extract features once; the
     posterior, the network and the features all sit on ``device`` afterwards. ``model`` confirms
-    the spec the file names (needed for ``py:`` code, see :func:`bayescli.model_args.check_file_spec`).
+    the spec the file names (needed for ``py:`` code, see :func:`bayescli.models.args.check_file_spec`).
     ``softmax_only`` names a command that refuses multi-label (bernoulli) models. ``precision``
     of the feature pass (``None``: the one the posterior was fitted at). Labelled data with a low
     MAP accuracy prints a warning. ``preprocess`` (:func:`preprocess_overrides`) changes the
     recorded input recipe."""
-    from bayescli.features import (
+    from bayescli.models.features import (
         check_precision,
         extract_features,
         require_last_layer_precision,
@@ -545,7 +545,7 @@ def low_accuracy_seen() -> Iterator[list]:
 def low_accuracy(logits: torch.Tensor, labels: torch.Tensor | None, where: str = "the data") -> str | None:
     """The low-MAP-accuracy warning for ``logits [N, K]``, ``labels [N]`` or multi-label ``[N, K]``
     (``None``: fine, or no labels)."""
-    from bayescli.metrics import low_accuracy_warning, map_correct
+    from bayescli.metrics.classification import low_accuracy_warning, map_correct
 
     if labels is None or not len(labels):
         return None

@@ -12,8 +12,8 @@ from bayescli.cli import common as c
 
 if TYPE_CHECKING:  # annotations only: the CLI builds its help without loading torch
     from bayescli.data import Data
-    from bayescli.features import Features
-    from bayescli.models import LoadedModel
+    from bayescli.models.features import Features
+    from bayescli.models.specs import LoadedModel
     from bayescli.posterior.base import Posterior
 
 
@@ -94,8 +94,8 @@ def conformal_cmd(
     from bayescli.errors import BayescliError
     from bayescli.evaluation.baselines import standalone_conformal
     from bayescli.evaluation.config import EvalConfig
-    from bayescli.features import extract_features
     from bayescli.io import write_json
+    from bayescli.models.features import extract_features
     from bayescli.predictive.conformal import ConformalConfig, ConformalScore
 
     c.setup(quiet, as_json, seed)

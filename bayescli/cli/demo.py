@@ -31,17 +31,17 @@ def demo(
     from bayescli.evaluation.attacks import parse_epsilons
     from bayescli.evaluation.config import EvalConfig
     from bayescli.evaluation.methods import parse_methods
+    from bayescli.evaluation.report import write_report
     from bayescli.evaluation.runner import run_evaluation
-    from bayescli.features import extract_features
-    from bayescli.fit_source import FitSource
-    from bayescli.fitting import DataOptions, fit_posterior
     from bayescli.io import write_json
-    from bayescli.metrics import classification_summary
-    from bayescli.models import load_classifier
+    from bayescli.methods.fit_source import FitSource
+    from bayescli.methods.fitting import DataOptions, fit_posterior
+    from bayescli.metrics.classification import classification_summary
+    from bayescli.models.features import extract_features
+    from bayescli.models.specs import load_classifier
     from bayescli.predictive import dirichlet
     from bayescli.predictive.glm import predict
     from bayescli.predictive.topk import topk_summary, uncertainty_topk
-    from bayescli.report import write_report
     from bayescli.training.classifier import save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)

@@ -131,12 +131,12 @@ def evaluate_cmd(
     """
     from bayescli.evaluation.evaluate import check_gate_paths, evaluate, evaluation_config
     from bayescli.evaluation.multilabel import for_likelihood, likelihood_of
+    from bayescli.evaluation.report import write_report
     from bayescli.evaluation.runner import load_ggp_data, preprocess_key
     from bayescli.io import peek_metadata, write_json
-    from bayescli.metrics import low_accuracy_warning
+    from bayescli.metrics.classification import low_accuracy_warning
     from bayescli.options import Predictive
     from bayescli.posterior.base import load_posterior
-    from bayescli.report import write_report
 
     c.setup(quiet, as_json, seed)
     options = {
@@ -361,8 +361,8 @@ def report_cmd(
 
     Example: bayescli report report.json --out report.html --png-dir figures
     """
+    from bayescli.evaluation.report import write_report
     from bayescli.io import read_json
-    from bayescli.report import write_report
 
     data = read_json(report)
     if not isinstance(data, dict) or data.get("kind") != "evaluation":

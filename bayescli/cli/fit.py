@@ -86,8 +86,8 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --val-data digits:val --hessian kron --out posterior.safetensors
     """
-    from bayescli.fitting import fit_from_specs
-    from bayescli.laplace_fit import LaplaceSettings
+    from bayescli.methods.fitting import fit_from_specs
+    from bayescli.methods.laplace import LaplaceSettings
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":

@@ -64,9 +64,9 @@ def inspect_cmd(
 
     Example: bayescli inspect --model py:mynet:Net --checkpoint lightning.ckpt --data mnist:test --limit 500
     """
-    from bayescli.features import FeatureStream
-    from bayescli.metrics import low_accuracy_warning
-    from bayescli.models import load_classifier
+    from bayescli.metrics.classification import low_accuracy_warning
+    from bayescli.models.features import FeatureStream
+    from bayescli.models.specs import load_classifier
 
     c.setup(quiet, as_json, seed)
     dev = c.resolve_device(device)

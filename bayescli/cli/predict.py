@@ -80,7 +80,7 @@ def predict_cmd(
     --link probit --out pred.json
     """
     from bayescli.io import save_tensors, write_json, write_jsonl
-    from bayescli.metrics import classification_summary, map_log_probabilities
+    from bayescli.metrics.classification import classification_summary, map_log_probabilities
     from bayescli.predictive.fidelity import GAUSSIAN_IMAGE
     from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
     from bayescli.predictive.glm import map_probabilities, predict
@@ -187,7 +187,7 @@ def predict_cmd(
     if pred.alpha is not None:
         results[method]["mean_alpha0"] = float(extra["alpha0"].mean())
         results[method]["mean_mutual_information"] = float(extra["mutual_information"].mean())
-        from bayescli.metrics import ALPHA0_DEGENERATE, near_zero_variance_warning
+        from bayescli.metrics.classification import ALPHA0_DEGENERATE, near_zero_variance_warning
         from bayescli.posterior.selection import chose_map, chosen_label
 
         delta = post.summary().get("prior_precision")

@@ -39,7 +39,7 @@ from bayescli.data import sources
 from bayescli.data.base import Data
 from bayescli.data.composed import compose
 from bayescli.errors import BayescliError
-from bayescli.preprocess import Preprocess, warn_resize
+from bayescli.models.preprocess import Preprocess, warn_resize
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0

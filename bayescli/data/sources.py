@@ -23,7 +23,7 @@ import torch
 
 from bayescli.data.base import ArrayData, Data, Source, UnreadableItem
 from bayescli.errors import BayescliError
-from bayescli.preprocess import Preprocess, warn_resize
+from bayescli.models.preprocess import Preprocess, warn_resize
 
 
 def _missing(name: str, root: Path, expected: str) -> BayescliError:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bayescli.errors import BayescliError
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.numbers import parse_number
 
 

@@ -27,9 +27,9 @@ from bayescli.evaluation import detectors as det
 from bayescli.evaluation.config import BaselineConfig, EvalConfig
 from bayescli.evaluation.methods import Method, MethodOutput
 from bayescli.evaluation.temperature import TemperatureFit, fit_temperature
-from bayescli.features import Features, extract_features
-from bayescli.metrics import adaptive_ece, classwise_ece, mce
-from bayescli.models import LoadedModel
+from bayescli.metrics.classification import adaptive_ece, classwise_ece, mce
+from bayescli.models.features import Features, extract_features
+from bayescli.models.specs import LoadedModel
 from bayescli.options import DEFAULT_CORRECTION, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive import conformal as cp

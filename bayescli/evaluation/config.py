@@ -27,7 +27,7 @@ SCORES = {
     "vim": "vim",
     "react": "react",
     "odin": "odin",
-    # multi-label (bernoulli) classifiers: bayescli.metrics_multilabel.ood_scores
+    # multi-label (bernoulli) classifiers: bayescli.metrics.multilabel.ood_scores
     "max-sigmoid": "max_sigmoid",
     "total-entropy": "neg_total_entropy",
     "joint-energy": "joint_energy",

@@ -27,13 +27,13 @@ from bayescli.evaluation.gates import Gate, check_gates, check_paths, expected_r
 from bayescli.evaluation.methods import expand_methods, parse_methods
 from bayescli.evaluation.multilabel import for_likelihood, likelihood_of
 from bayescli.evaluation.runner import ood_name, preprocess_key, run_grouped
-from bayescli.features import (
+from bayescli.models.features import (
     check_precision,
     parse_precision,
     require_last_layer_precision,
     resolve_precision,
 )
-from bayescli.models import LoadedModel
+from bayescli.models.specs import LoadedModel
 from bayescli.options import DEFAULT_METHODS, DEFAULT_OOD_SCORES, GGPMode, Precision, Predictive
 from bayescli.posterior.base import Posterior
 

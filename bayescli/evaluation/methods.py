@@ -21,9 +21,9 @@ import torch
 
 from bayescli.data import Data
 from bayescli.errors import BayescliError
-from bayescli.features import Features
-from bayescli.metrics import entropy, entropy_of_log, map_log_probabilities, max_prob_logit
-from bayescli.models import Classifier
+from bayescli.metrics.classification import entropy, entropy_of_log, map_log_probabilities, max_prob_logit
+from bayescli.models.features import Features
+from bayescli.models.specs import Classifier
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive import dirichlet

@@ -1,7 +1,7 @@
 """``evaluate`` and ``conformal`` for multi-label (``bernoulli``) posteriors: a sigmoid per class.
 
 The suites are those of the softmax report with multi-label metrics
-(:mod:`bayescli.metrics_multilabel`) in place of the single-label ones:
+(:mod:`bayescli.metrics.multilabel`) in place of the single-label ones:
 
 * methods: ``map`` (the network's sigmoids) and ``glm-LINK`` with the sigmoid links ``none``,
   ``probit``, ``mc``, ``beta`` (:mod:`bayescli.predictive.sigmoid_links`); every posterior that
@@ -34,16 +34,16 @@ from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.evaluation.config import SCORES, EvalConfig, parse_ood_scores
 from bayescli.evaluation.methods import Method, MethodOutput, parse_methods
-from bayescli.features import Features
-from bayescli.metrics import ood_metrics
-from bayescli.metrics_multilabel import (
+from bayescli.metrics.classification import ood_metrics
+from bayescli.metrics.multilabel import (
     PROTOCOL,
     max_sigmoid,
     multilabel_summary,
     ood_scores,
     selective,
 )
-from bayescli.models import Classifier
+from bayescli.models.features import Features
+from bayescli.models.specs import Classifier
 from bayescli.options import MULTILABEL_METHODS, MULTILABEL_OOD_SCORES, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.conformal_multilabel import calibrate_per_label, per_label_sets, per_label_summary

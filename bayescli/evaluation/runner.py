@@ -33,8 +33,7 @@ from bayescli.evaluation.baselines import (
 )
 from bayescli.evaluation.config import EvalConfig, fidelity_runs
 from bayescli.evaluation.methods import Method, MethodOutput, expand_methods, run_method
-from bayescli.features import Features, check_input_shape, extract_features
-from bayescli.metrics import (
+from bayescli.metrics.classification import (
     ALPHA0_DEGENERATE,
     PROTOCOL,
     TIE_REPORT,
@@ -47,12 +46,13 @@ from bayescli.metrics import (
     tie_note,
     tied_fraction,
 )
-from bayescli.models import Classifier, LoadedModel
+from bayescli.models.features import Features, check_input_shape, extract_features
+from bayescli.models.preprocess import Preprocess
+from bayescli.models.specs import Classifier, LoadedModel
 from bayescli.options import Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.selection import chose_map, chosen_label
 from bayescli.predictive.ggp import fit_ggp, ggp_fit_spec
-from bayescli.preprocess import Preprocess
 from bayescli.progress import stage, track
 
 SCHEMA_VERSION = 3

@@ -10,7 +10,7 @@ A posterior turns what the backbone produced into the currency of DESIGN §1, a
 
 Every posterior is written to one file format — safetensors plus JSON metadata — whose
 ``method`` entry names the class that reads it back. :func:`load_posterior` dispatches on it
-through the method registry (:mod:`bayescli.registry`, ``module:Class`` strings, so start-up
+through the method registry (:mod:`bayescli.methods.registry`, ``module:Class`` strings, so start-up
 stays light); adding a method is one entry there.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -32,9 +33,9 @@ from bayescli.posterior.selection import Selection
 
 if TYPE_CHECKING:
     from bayescli.data import Data
-    from bayescli.models import Classifier, LoadedModel
+    from bayescli.models.preprocess import PreprocessOverrides
+    from bayescli.models.specs import Classifier, LoadedModel
     from bayescli.posterior.gaussian import LogitGaussian
-    from bayescli.preprocess import PreprocessOverrides
 
 FORMAT = "bayescli-posterior"
 FORMAT_VERSION = 1
@@ -58,6 +59,8 @@ class Posterior(ABC):
     """
 
     method: ClassVar[str]
+    # the Python API's predict, installed by bayescli.api when it is imported (see predict())
+    api_predict: ClassVar[Callable[..., object] | None] = None
     # a posterior whose native output is a Dirichlet α (its logit Gaussian is that Dirichlet's
     # Gaussian image): its predictive is the Dirichlet mean, the default link ``bridge``
     native_dirichlet: ClassVar[bool] = False
@@ -117,12 +120,17 @@ class Posterior(ABC):
         """Predictive probabilities on ``data`` (a DataLoader, ``(x, y)`` tensors, ``Data`` or a
         spec) → ``Prediction`` with ``probs [N, K]``, ``alpha``, ``logit_mean``/``logit_var [N, K]``.
 
-        The Python API's convenience (:func:`bayescli.api.predict`, which holds the options): it
-        reaches up to the feature and predictive layers, so it is imported on call.
+        The Python API's convenience, :func:`bayescli.api.predict` (which holds the options). A
+        prediction on raw data needs the feature and predictive layers above this one, so the API
+        module installs itself here when imported (:data:`api_predict`); ``import bayescli`` and
+        every top-level name import it.
         """
-        from bayescli.api import predict
-
-        return predict(self, data, **options)
+        if Posterior.api_predict is None:
+            raise BayescliError(
+                "Posterior.predict is the Python API's: import bayescli.api (bayescli.fit, bayescli.load "
+                "and every top-level name do), or call bayescli.api.predict(posterior, data)"
+            )
+        return Posterior.api_predict(self, data, **options)
 
     # -- files --------------------------------------------------------------------------------
 
@@ -226,9 +234,9 @@ class Posterior(ABC):
         ``preprocess`` overrides parts of the recorded input recipe (e.g. ``resize`` for images of
         another size); the returned model's ``preprocess`` is the recipe used.
         """
-        from bayescli.model_args import check_file_spec
-        from bayescli.models import load_classifier
-        from bayescli.preprocess import Preprocess
+        from bayescli.models.args import check_file_spec
+        from bayescli.models.preprocess import Preprocess
+        from bayescli.models.specs import load_classifier
 
         for key in ("model", "checkpoint", "checkpoint_sha256"):
             if key not in self.meta:
@@ -259,7 +267,7 @@ class Posterior(ABC):
 
 def posterior_class(method: str) -> type[Posterior]:
     """The class registered for ``method`` (imported on first use)."""
-    from bayescli.registry import posterior_class_name
+    from bayescli.methods.registry import posterior_class_name
 
     module, _, name = posterior_class_name(method).partition(":")
     return getattr(importlib.import_module(module), name)

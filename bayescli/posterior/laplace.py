@@ -31,7 +31,7 @@ from torch import nn
 
 from bayescli import parallel
 from bayescli.errors import BayescliError
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.bernoulli_curvature import BernoulliCurvatureAccumulator, bernoulli_log_likelihood
@@ -413,7 +413,7 @@ def fit_laplace(
     Last layer: pass ``phi [N, D]`` (and ``labels``), or ``features``, an iterable of
     ``(phi [B, D], labels [B])`` batches that is consumed once without being held (memory: one
     batch plus the curvature factors). All layers: pass pixel-space ``batches`` (consumed once).
-    Choosing δ on validation data needs a predictive and lives in :mod:`bayescli.laplace_fit`.
+    Choosing δ on validation data needs a predictive and lives in :mod:`bayescli.methods.laplace`.
 
     ``refine_steps > 0`` (last layer only) first moves the mode to the optimum of the convex
     linearised objective (:mod:`bayescli.posterior.refine`) with the prior precision chosen at

@@ -33,8 +33,8 @@ from torch import nn
 
 from bayescli import devices
 from bayescli.errors import BayescliError
-from bayescli.metrics import map_probabilities
-from bayescli.models import LIKELIHOODS
+from bayescli.metrics.classification import map_probabilities
+from bayescli.models.specs import LIKELIHOODS
 from bayescli.options import CurvatureType, HessianStructure
 from bayescli.posterior.curvature import Curvature, network_jacobian
 

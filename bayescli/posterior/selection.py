@@ -13,9 +13,9 @@ edge (same log spacing) before it warns. Every fit sets the outcome as ``post.se
 (grid, curve, choice, MAP's validation scores) under ``selection``.
 
 The criteria read the labels' shape: class indices ``[N]`` score the softmax probabilities
-(:mod:`bayescli.metrics`), multi-label ``[N, K]`` indicators score per-label probabilities by the
-means over labels of the per-label binary NLL, ECE and Brier (:mod:`bayescli.metrics_multilabel`),
-so every method selects on multi-label data through the same grid logic.
+(:mod:`bayescli.metrics.classification`), multi-label ``[N, K]`` indicators score per-label
+probabilities by the means over labels of the per-label binary NLL, ECE and Brier
+(:mod:`bayescli.metrics.multilabel`), so every method selects on multi-label data through the same grid logic.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import TypeVar
 
 import torch
 
-from bayescli.metrics import brier, ece, map_log_probabilities, nll
-from bayescli.metrics_multilabel import check_multilabel, per_label_brier, per_label_ece, per_label_nll
+from bayescli.metrics.classification import brier, ece, map_log_probabilities, nll
+from bayescli.metrics.multilabel import check_multilabel, per_label_brier, per_label_ece, per_label_nll
 from bayescli.options import Criterion
 
 __all__ = [

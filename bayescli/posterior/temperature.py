@@ -19,8 +19,8 @@ from typing import ClassVar
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.fit_source import FitSource
-from bayescli.metrics import map_log_probabilities
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import map_log_probabilities
 from bayescli.options import Criterion, Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from bayescli.errors import BayescliError
-from bayescli.metrics_multilabel import check_multilabel
+from bayescli.metrics.multilabel import check_multilabel
 from bayescli.predictive.conformal import coverage_interval, threshold
 
 

@@ -27,8 +27,8 @@ from scipy.optimize import minimize_scalar
 
 from bayescli.data import Data
 from bayescli.errors import BayescliError, BayescliWarning
-from bayescli.features import Features, extract_features
-from bayescli.models import Classifier, LoadedModel
+from bayescli.models.features import Features, extract_features
+from bayescli.models.specs import Classifier, LoadedModel
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian

@@ -27,9 +27,9 @@ import torch
 from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError
-from bayescli.features import Features
-from bayescli.metrics import map_probabilities
-from bayescli.models import Classifier
+from bayescli.metrics.classification import map_probabilities
+from bayescli.models.features import Features
+from bayescli.models.specs import Classifier
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from bayescli.metrics import entropy
-from bayescli.metrics_multilabel import THRESHOLD, binary_entropy, multilabel_summary
+from bayescli.metrics.classification import entropy
+from bayescli.metrics.multilabel import THRESHOLD, binary_entropy, multilabel_summary
 from bayescli.predictive import dirichlet
 from bayescli.predictive.sigmoid_links import SigmoidLinkOutput
 
@@ -83,7 +83,7 @@ def multilabel_scores(
     probs: torch.Tensor, labels: torch.Tensor | None, log_odds: torch.Tensor | None = None
 ) -> dict[str, float]:
     """Scalar metrics of per-label ``probs [N, K]``: with ``labels [N, K]`` those of
-    :func:`~bayescli.metrics_multilabel.multilabel_summary` (means over labels; its per-label lists
+    :func:`~bayescli.metrics.multilabel.multilabel_summary` (means over labels; its per-label lists
     left out; the NLL from ``log_odds [N, K]`` when given), without them the mean binary entropy
     of the cells only."""
     if labels is None:

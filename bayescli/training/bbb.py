@@ -8,7 +8,7 @@ import torch
 
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError, require
-from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.models.specs import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.posterior.vi.bbb import (
     SCRATCH_PRIOR_PRECISION,
     BBBConfig,

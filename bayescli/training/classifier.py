@@ -29,7 +29,14 @@ from bayescli._version import __version__
 from bayescli.data import Data
 from bayescli.errors import BayescliError
 from bayescli.io import save_tensors
-from bayescli.models import LIKELIHOODS, Classifier, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.models.specs import (
+    LIKELIHOODS,
+    Classifier,
+    ModelSpec,
+    build_network,
+    builtin_names,
+    last_linear_name,
+)
 from bayescli.options import TrainConfig
 from bayescli.progress import track
 

@@ -20,20 +20,15 @@ from bayescli.data import ArrayData
 from bayescli.data.shifts import rotate
 from bayescli.devices import generator
 from bayescli.errors import require
-from bayescli.models import Classifier, ModelSpec, build_network, last_linear_name
+from bayescli.models.specs import Classifier, ModelSpec, build_network, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.selection import Scored, select_on_grid, unvalidated
 from bayescli.posterior.vi.budget import MAX_EPOCHS
-from bayescli.posterior.vi.dirichlet_fvi import (
-    TAU_GRID,
-    DirichletFVIConfig,
-    default_tau,
-    dirichlet_predictive,
-    index_source,
-)
+from bayescli.posterior.vi.dirichlet_fvi import TAU_GRID, dirichlet_predictive, index_source
 from bayescli.posterior.vi.dirichlet_fvi_objective import optimise, parse_beta
 from bayescli.posterior.vi.dirichlet_fvi_posterior import DirichletFVIPosterior
 from bayescli.posterior.vi.dirichlet_fvi_samples import network_logits
+from bayescli.posterior.vi.dirichlet_fvi_settings import DirichletFVIConfig, default_tau
 from bayescli.training.classifier import channel_stats, checkpoint_metadata
 
 DEFAULT_RULE = "default_tau: 1 for K <= 10, 0.1 for K <= 100, 10/K beyond (the seed's values at N = 60000)"

@@ -22,7 +22,7 @@ from torch import nn
 from bayescli.data import ArrayData
 from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
-from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.models.specs import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.gaussian import augment
 from bayescli.posterior.selection import Scored, select_on_grid, unvalidated

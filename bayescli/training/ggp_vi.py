@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bayescli.data import ArrayData
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.posterior.vi.ggp_vi import GGPVIConfig, GGPVIPosterior, fit_over_grid
 from bayescli.training.map_then_fit import train_map_then_fit
 

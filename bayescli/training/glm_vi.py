@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bayescli.data import ArrayData
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.posterior.vi.glm_vi import GLMVIConfig, GLMVIPosterior, fit_over_grid
 from bayescli.training.map_then_fit import train_map_then_fit
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from bayescli.data import ArrayData
-from bayescli.fit_source import FitSource
-from bayescli.models import Classifier, LoadedModel, ModelSpec
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.options import TrainConfig
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.vi.prior_precision import TRAINER_GRID

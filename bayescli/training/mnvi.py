@@ -21,7 +21,7 @@ import torch
 
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError, require
-from bayescli.models import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
+from bayescli.models.specs import Classifier, ModelSpec, build_network, builtin_names, last_linear_name
 from bayescli.options import Subset
 from bayescli.posterior.selection import Scored, Selection, select_on_grid, unvalidated
 from bayescli.posterior.vi.mnvi import MNVIConfig, check_select, network_predictive

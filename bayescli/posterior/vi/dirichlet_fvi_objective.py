@@ -13,19 +13,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from bayescli.dirichlet import fit_precision_vectorised
 from bayescli.errors import BayescliError, require
 from bayescli.numbers import parse_numbers
+from bayescli.posterior.vi.dirichlet_fvi_settings import GAMMA, DirichletFVIConfig
 from bayescli.progress import track
 
-if TYPE_CHECKING:
-    from bayescli.posterior.vi.dirichlet_fvi import DirichletFVIConfig
-
-GAMMA = 1e-4  # label smoothing inside the KL [000:F]
 MINKA_MAX_ITER = 50  # VI-SPEC A6.3: the seed saw up to 1172 iterations; 0 exact ones are typical
 
 

@@ -25,12 +25,12 @@ import torch
 from bayescli import devices
 from bayescli.dirichlet import dirichlet_to_gaussian, fit_precision_vectorised
 from bayescli.errors import BayescliError
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian
-from bayescli.posterior.vi.dirichlet_fvi_objective import GAMMA
 from bayescli.posterior.vi.dirichlet_fvi_samples import ensemble_member_logits, head_logits, network_logits
+from bayescli.posterior.vi.dirichlet_fvi_settings import GAMMA
 
 FULL_COV_MAX_CLASSES = 64  # above this, the logit Gaussian carries diag Σ only
 PREDICT_CHUNK_ELEMENTS = 1 << 23  # samples × inputs × classes per sampled chunk on a CPU

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 
 
 def head_logits(

@@ -65,9 +65,9 @@ import numpy as np
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.fit_source import FitSource
-from bayescli.metrics import map_probabilities
-from bayescli.models import Classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.metrics.classification import map_probabilities
+from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.curvature import network_jacobian

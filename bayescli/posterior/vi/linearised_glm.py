@@ -32,7 +32,7 @@ import torch
 from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.curvature import network_jacobian
 from bayescli.posterior.gaussian import augment

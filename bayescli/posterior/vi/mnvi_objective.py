@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from bayescli.data import Data
 from bayescli.devices import generator
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.posterior.selection import Scored
 from bayescli.posterior.vi.bernoulli_expectations import expected_log_likelihood, sigmoid_predictive
+from bayescli.posterior.vi.mnvi_settings import MNVIConfig
 from bayescli.posterior.vi.moments import MomentPropagator
 from bayescli.posterior.vi.softmax_expectations import log_mean_softmax
 from bayescli.progress import track
-
-if TYPE_CHECKING:
-    from bayescli.posterior.vi.mnvi import MNVIConfig
 
 KL_EPS = 1e-10  # inside the KL's logarithm [002:App A]
 _VAR_FLOOR = 1e-20  # keeps √v differentiable where a logit variance is exactly 0

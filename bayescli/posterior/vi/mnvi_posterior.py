@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayescli.errors import BayescliError
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.gaussian import LogitGaussian

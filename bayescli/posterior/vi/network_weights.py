@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bayescli.errors import require
-from bayescli.models import Classifier
+from bayescli.models.specs import Classifier
 
 
 def flat_parameters(net: nn.Module) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 ``fit-laplace``, ``fit-vi``, ``train --method``, ``demo``, ``select``, the Python API, the tests'
 fixtures and the benchmarks all fit through :func:`fit_posterior` (an in-memory
-:class:`~bayescli.fit_source.FitSource`) or :func:`fit_from_specs` (specs and files, sharded under
+:class:`~bayescli.methods.fit_source.FitSource`) or :func:`fit_from_specs` (specs and files, sharded under
 ``torchrun``, written atomically). Held-out data comes from, in order: an explicit validation
 spec; ``val_split`` (a seeded fraction carved from fitting data the net never saw); the validation
 split a ``bayescli train`` checkpoint records, when disjoint from the fitting data. Without any,
@@ -23,15 +23,15 @@ import torch
 from bayescli import parallel
 from bayescli.data import Data, load_data, validation_spec
 from bayescli.errors import LowAccuracyWarning, require
-from bayescli.features import check_precision, parse_precision, require_last_layer_precision
-from bayescli.fit_source import FitSource
-from bayescli.metrics import low_accuracy_warning
-from bayescli.models import LoadedModel, load_classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.registry import create_settings, fit_function, method_entry
+from bayescli.metrics.classification import low_accuracy_warning
+from bayescli.models.features import check_precision, parse_precision, require_last_layer_precision
+from bayescli.models.preprocess import Preprocess
+from bayescli.models.specs import LoadedModel, load_classifier
 from bayescli.options import Precision, Subset
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.selection import FIXED, Selection
-from bayescli.preprocess import Preprocess
-from bayescli.registry import create_settings, fit_function, method_entry
 
 NOT_VALIDATED = (
     "nothing was validated: no held-out data, so each hyperparameter is the method's principled "
@@ -190,7 +190,7 @@ def fit_posterior(
     Issues :class:`~bayescli.errors.LowAccuracyWarning` when the MAP accuracy on the fitting data
     says the model is fed wrongly (the accuracy is also recorded as ``map_accuracy``, from the
     feature pass at ``source.model.precision``). A precision other than fp32 is refused for
-    posteriors over the whole network (see :func:`~bayescli.features.require_last_layer_precision`).
+    posteriors over the whole network (see :func:`~bayescli.models.features.require_last_layer_precision`).
     """
     require_likelihood(method, source.model)
     settings = create_settings(method, settings, **values)

@@ -18,9 +18,9 @@ import torch
 
 from bayescli.data import Data
 from bayescli.errors import BayescliError
-from bayescli.features import Features, FeatureStream, extract_features, logit_pass
-from bayescli.metrics import map_correct
-from bayescli.models import Classifier, LoadedModel
+from bayescli.metrics.classification import map_correct
+from bayescli.models.features import Features, FeatureStream, extract_features, logit_pass
+from bayescli.models.specs import Classifier, LoadedModel
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class FitSource:
     * ``val``: labelled held-out data for tuning, disjoint from ``data`` (or ``None``).
     * ``device``, ``batch_size``: where and how many inputs per backbone pass.
     * ``feature_cache``: a directory caching the fitting set's features (see
-      :class:`~bayescli.features.FeatureStream`).
+      :class:`~bayescli.models.features.FeatureStream`).
     """
 
     model: LoadedModel

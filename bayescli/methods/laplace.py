@@ -31,9 +31,9 @@ import torch
 
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.features import Features
-from bayescli.fit_source import FitSource
-from bayescli.models import Classifier
+from bayescli.methods.fit_source import FitSource
+from bayescli.models.features import Features
+from bayescli.models.specs import Classifier
 from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
 from bayescli.posterior.laplace import LaplacePosterior, fit_laplace
 from bayescli.posterior.selection import Criterion, Scored, Selection, select_on_grid, unvalidated

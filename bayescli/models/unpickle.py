@@ -188,7 +188,7 @@ def is_legacy_torch_file(f: IO[bytes]) -> bool:
 
 # Calls that serve only to run code, commands or network requests. Nothing is ever called, but a
 # file that asks for one of these is an attack, not a model, and is refused as such by
-# bayescli.checkpoints; every other record stays inert data.
+# bayescli.models.checkpoints; every other record stays inert data.
 # fmt: off
 _CODE_MODULES = frozenset((
     "os", "posix", "nt", "subprocess", "sys", "shutil", "importlib", "runpy", "socket", "ctypes", "pty",

@@ -5,7 +5,7 @@ optionally ``preprocessor_config.json``. The network is built from the config al
 (``AutoModelForImageClassification.from_config``): transformers never reads the weights, so they go
 through bayescli's own checkpoint reader like any other checkpoint, and nothing is fetched from the
 Hub. A config or processor that names custom code (``auto_map``) is refused: remote code is never
-run. The image processor's recipe is mapped onto :class:`~bayescli.preprocess.Preprocess`, with a
+run. The image processor's recipe is mapped onto :class:`~bayescli.models.preprocess.Preprocess`, with a
 note for each step bayescli can only approximate.
 
 transformers is imported inside the functions that need it, so importing this module (and every
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from bayescli.errors import BayescliError, require
+from bayescli.models.preprocess import Preprocess
 from bayescli.options import Interpolation
-from bayescli.preprocess import Preprocess
 
 # In order of preference: safetensors cannot carry code, a .bin is a pickle (read weights-only).
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -65,7 +65,7 @@ class HFFolder:
 
     root: Path
     config: Path
-    weights: Path  # the checkpoint: read by bayescli.checkpoints, hashed into posterior files
+    weights: Path  # the checkpoint: read by bayescli.models.checkpoints, hashed into posterior files
     preprocessor: Path | None
 
 

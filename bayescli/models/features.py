@@ -39,8 +39,8 @@ from bayescli.data import Data
 from bayescli.devices import synchronize
 from bayescli.errors import BayescliError, LowAccuracyWarning
 from bayescli.io import load_tensors, save_tensors
-from bayescli.metrics import low_accuracy_warning, map_correct
-from bayescli.models import Classifier, LoadedModel
+from bayescli.metrics.classification import low_accuracy_warning, map_correct
+from bayescli.models.specs import Classifier, LoadedModel
 from bayescli.options import Precision
 from bayescli.progress import track
 
@@ -421,7 +421,7 @@ def logit_pass(
     model: LoadedModel, data: Data, batch_size: int = 256, device: torch.device | str = "cpu"
 ) -> LogitPass:
     """Run the whole network over ``data`` once for its MAP accuracy, checking the inputs and the
-    output (:meth:`~bayescli.classifier.Classifier.check_output`) on the first batch.
+    output (:meth:`~bayescli.models.classifier.Classifier.check_output`) on the first batch.
 
     For whole-network methods: unlike :class:`FeatureStream` it never needs the last-layer split,
     so it works when the logits are not linear in the head's weights. Memory: one batch.

@@ -302,8 +302,8 @@ class Classifier(nn.Module):
     output; by default the one ``[N, K]`` tensor is used. The first forward settles the element;
     :meth:`check_output` / :meth:`check_split` also settle whether the output is logits or
     log-probabilities. Until then ``net`` is the user's network: run one of them on a few inputs
-    before using ``net`` directly (:class:`~bayescli.features.FeatureStream`,
-    :func:`~bayescli.features.logit_pass` and the all-layer Laplace fit do).
+    before using ``net`` directly (:class:`~bayescli.models.features.FeatureStream`,
+    :func:`~bayescli.models.features.logit_pass` and the all-layer Laplace fit do).
     """
 
     def __init__(

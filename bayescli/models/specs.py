@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bayescli.checkpoints import load_weights, read_checkpoint, resolve_weights
-from bayescli.classifier import SPLIT_TOLERANCE, Classifier, find_head, last_linear_name  # noqa: F401 (re-exported)
 from bayescli.errors import BayescliError, require
 from bayescli.io import sha256_file
-from bayescli.model_args import factory_arguments, parse_model_args
+from bayescli.models.args import factory_arguments, parse_model_args
+from bayescli.models.checkpoints import load_weights, read_checkpoint, resolve_weights
+from bayescli.models.classifier import SPLIT_TOLERANCE, Classifier, find_head, last_linear_name  # noqa: F401 (re-exported)
+from bayescli.models.preprocess import Preprocess, PreprocessOverrides
 from bayescli.options import Precision
-from bayescli.preprocess import Preprocess, PreprocessOverrides
 
 # ---------------------------------------------------------------------------------------------
 # builtin architectures
@@ -216,7 +216,7 @@ def build_network(
     """Instantiate ``spec`` with factory ``kwargs``; ``num_classes=None`` means the architecture's
     default. ``factory``: :func:`model_factory`'s result when the caller already has it."""
     if spec.kind == "hf":
-        from bayescli.hf import build_hf_network
+        from bayescli.models.hf import build_hf_network
 
         return build_hf_network(Path(spec.name), num_classes)
     factory = factory or model_factory(spec)
@@ -259,7 +259,8 @@ class LoadedModel:
     metadata: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # checkpoint_key / stripped_prefixes, if any
     preprocess: Preprocess = field(default_factory=Preprocess)
-    # the arithmetic of its backbone passes (bayescli.features); a fit records it, a prediction reuses it
+    # the arithmetic of its backbone passes (bayescli.models.features); a fit records it, a
+    # prediction reuses it
     precision: Precision = Precision.FP32
 
     @property
@@ -376,14 +377,14 @@ def load_classifier(
 ) -> LoadedModel:
     """Build ``model`` with the checkpoint's class count and load its weights.
 
-    The checkpoint is read by content (:func:`bayescli.checkpoints.read_checkpoint`: safetensors,
+    The checkpoint is read by content (:func:`bayescli.models.checkpoints.read_checkpoint`: safetensors,
     torch state dicts, Lightning checkpoints, whole pickled modules read without running their
     code), and its state dict is matched to the architecture by
-    :func:`bayescli.checkpoints.load_weights` (``checkpoint_key`` picks a wrapper entry). Factory
+    :func:`bayescli.models.checkpoints.load_weights` (``checkpoint_key`` picks a wrapper entry). Factory
     arguments come from ``model_args`` (``["NAME=VALUE", …]`` typed by the factory's signature, or a
     dict), a Lightning checkpoint's ``hyper_parameters`` (``py:`` factories, as
     ``load_from_checkpoint`` passes them) and ``file_args`` (recorded in a posterior file), under
-    the rules of :mod:`bayescli.model_args`. ``hf:FOLDER`` specs read the folder's config,
+    the rules of :mod:`bayescli.models.args`. ``hf:FOLDER`` specs read the folder's config,
     weights file (the default ``checkpoint``), preprocessing and class names. ``output`` selects the
     logits in a non-tensor output. What was read, unwrapped, mapped and passed is in
     :meth:`LoadedModel.describe`. Raises :class:`BayescliError` for unknown specs, unreadable
@@ -399,7 +400,7 @@ def load_classifier(
         raise BayescliError(f"unknown likelihood '{likelihood}'; use one of {', '.join(LIKELIHOODS)}")
     folder = None
     if spec.kind == "hf":
-        from bayescli.hf import hf_folder_files
+        from bayescli.models.hf import hf_folder_files
 
         folder = hf_folder_files(spec.name)
         checkpoint = checkpoint or folder.weights
@@ -442,7 +443,7 @@ def load_classifier(
     num_classes = meta.get("num_classes")
     net = build_network(spec, None if spec.kind != "builtin" else num_classes, input_shape, kwargs, factory)
     if folder is not None:
-        from bayescli.hf import hf_class_names, hf_preprocess, hf_state_dict
+        from bayescli.models.hf import hf_class_names, hf_preprocess, hf_state_dict
 
         ckpt = replace(ckpt, content=hf_state_dict(net, _tensors(ckpt.content, path)))
     head_name = head or find_head(net)

@@ -1,7 +1,7 @@
 """Metrics for multi-label classifiers: per-label probabilities ``probs [N, K]`` in ``[0, 1]``
 (a sigmoid per label, or a posterior's predictive mean of it) and labels ``y [N, K]`` in ``{0, 1}``.
 
-Protocol (the multi-label counterpart of :mod:`bayescli.metrics`):
+Protocol (the multi-label counterpart of :mod:`bayescli.metrics.classification`):
 
 * a label is predicted present when ``p ≥ threshold`` (0.5 by default: logit ≥ 0);
 * mAP is the mean over the labels *with at least one positive* of scikit-learn's step-wise
@@ -41,7 +41,7 @@ import math
 import torch
 
 from bayescli.errors import BayescliError
-from bayescli.metrics import ECE_BINS, PROB_TINY, _average_precision, _threshold_counts
+from bayescli.metrics.classification import ECE_BINS, PROB_TINY, _average_precision, _threshold_counts
 
 THRESHOLD = 0.5
 PROB_FLOOR = 1e-12  # the floor of the log-odds OOD score (bayescli.evaluation.multilabel), not the NLL's

@@ -8,7 +8,7 @@
 
 Torch files are read with ``torch.load(weights_only=True)`` (tensors and plain containers only).
 When that refuses because the file pickles classes (a whole ``torch.save(model, path)``, or an
-``argparse.Namespace`` beside the weights), :mod:`bayescli.unpickle` reads it without running any of
+``argparse.Namespace`` beside the weights), :mod:`bayescli.models.unpickle` reads it without running any of
 its code and every pickled ``nn.Module`` is replaced by its state dict. Files whose pickle calls
 something that only runs code (``os.system``, ``builtins.exec``, …) are refused. Lightning
 checkpoints (``state_dict`` and ``pytorch-lightning_version`` keys) are recognised.
@@ -35,7 +35,7 @@ from torch import nn
 
 from bayescli.errors import BayescliError
 from bayescli.io import load_tensors
-from bayescli.unpickle import (
+from bayescli.models.unpickle import (
     Inert,
     UnpickleError,
     is_legacy_torch_file,
@@ -58,7 +58,7 @@ class Checkpoint:
     ``content`` is the object read (whole pickled modules already replaced by their state dicts),
     ``metadata`` bayescli's own safetensors metadata (``{}`` for other files), ``format`` one of
     ``safetensors``, ``torch-zip``, ``torch-legacy`` (read weights-only), ``module-pickle-zip``,
-    ``module-pickle-legacy`` (pickled modules read by :mod:`bayescli.unpickle`), or
+    ``module-pickle-legacy`` (pickled modules read by :mod:`bayescli.models.unpickle`), or
     ``object-pickle-zip``/``object-pickle-legacy`` (pickled objects but no module, likewise).
     """
 
@@ -153,7 +153,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def _read_restricted(path: Path, layout: str) -> Checkpoint:
-    """A torch file that pickles classes, read by :mod:`bayescli.unpickle` (nothing from it runs)."""
+    """A torch file that pickles classes, read by :mod:`bayescli.models.unpickle` (nothing from it runs)."""
     try:
         read = read_torch_pickle(path)
     except Exception as exc:  # malformed pickles raise anything from UnpicklingError to TypeError

@@ -1,6 +1,6 @@
 """``bayescli select``: which posterior should I use for this model?
 
-One :class:`~bayescli.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
+One :class:`~bayescli.methods.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
 backbone features are computed once and shared by every method. Each method is fitted with its
 defaults, so its key hyperparameter is chosen on the validation set (:mod:`bayescli.posterior.selection`)
 by the same ``criterion`` the methods are ranked by (NLL when ranking by AUROC, which no method tunes
@@ -24,10 +24,11 @@ import torch
 from bayescli._version import __version__
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.fit_source import FitSource
-from bayescli.fitting import DataOptions, fit_posterior
 from bayescli.io import write_json
-from bayescli.metrics import (
+from bayescli.methods.fit_source import FitSource
+from bayescli.methods.fitting import DataOptions, fit_posterior
+from bayescli.methods.registry import method_entry, setting_fields
+from bayescli.metrics.classification import (
     accuracy,
     brier,
     ece,
@@ -41,7 +42,6 @@ from bayescli.options import Criterion, Predictive
 from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
 from bayescli.progress import stage
-from bayescli.registry import method_entry, setting_fields
 
 DEFAULT_METHODS = ("laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature")
 CRITERIA = ("nll", "ece", "brier", "auroc")
