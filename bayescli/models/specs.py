@@ -106,6 +106,35 @@ def lenet(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     )
 
 
+class SmallSegNet(nn.Module):
+    """Two 3×3 conv blocks (the second at stride 2), a 1×1-conv dense head ``classifier`` and bilinear
+    upsampling of its logits to the input's size (torchvision's segmentation layout, in miniature)."""
+
+    def __init__(self, channels: int, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
+        self.classifier = nn.Conv2d(2 * width, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.classifier(self.backbone(x))
+        return nn.functional.interpolate(z, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+@register_builtin("small-segnet")
+def small_segnet(num_classes: int, input_shape: tuple[int, ...], width: int = 16) -> nn.Module:
+    """:class:`SmallSegNet`: per-pixel logits ``[N, K, H, W]`` for images ``[C, H, W]`` (H, W ≥ 2)."""
+    require(
+        len(input_shape) == 3 and min(input_shape[1:]) >= 2,
+        f"builtin:small-segnet needs image inputs [C,H,W] with H, W >= 2, got {list(input_shape)}",
+    )
+    return SmallSegNet(input_shape[0], num_classes, width)
+
+
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
 
