@@ -74,7 +74,9 @@ def brute_jacobian(clf: DenseClassifier, x: torch.Tensor) -> torch.Tensor:
     return jac.permute(0, 2, 3, 1, 4, 5).reshape(N, H, W, K, -1)
 
 
-def brute_ggn(clf, x, mask, ignore_index=255) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def brute_ggn(
+    clf, x, mask, ignore_index=255
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense GGN ``[P, P]`` over valid pixels, KFLR ``G [K, K]``, ``A [C+1, C+1]`` and ``J`` per pixel."""
     jac = brute_jacobian(clf, x).reshape(-1, K, K * D1)
     with torch.no_grad():
@@ -144,7 +146,9 @@ def test_per_pixel_logit_covariance_equals_brute_force(setup, structure):
     post = fit_dense_laplace(clf, [(x, mask)], structure=structure, prior_precision=DELTA)
     lg = dense_logit_gaussian(post, carry(clf, x))
     scale = float(expected.diagonal(dim1=1, dim2=2).max())
-    assert_close(lg.var, expected.diagonal(dim1=1, dim2=2), rtol=RTOL, what=f"{structure} per-pixel variances")
+    assert_close(
+        lg.var, expected.diagonal(dim1=1, dim2=2), rtol=RTOL, what=f"{structure} per-pixel variances"
+    )
     assert_close(lg.covariance(), expected, atol=RTOL * scale, what=f"{structure} per-pixel covariances")
     with torch.no_grad():
         logits = clf(x)
