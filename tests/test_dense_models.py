@@ -159,3 +159,40 @@ def test_torchvision_deeplab_and_lraspp():
         match="after the dense head 'classifier.high_classifier' depend on its 3 output channels",
     ):
         clf.check_split(x)
+
+
+def test_checkpoints_load_as_dense_classifiers(tmp_path):
+    """A builtin checkpoint (with its normalisation) and a torchvision state dict, loaded by the
+    classification loader and wrapped: the same logits as the network run by hand."""
+    from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
+
+    from bayescli.io import save_tensors
+    from bayescli.models.specs import load_classifier, small_segnet
+
+    torch.manual_seed(0)
+    net = small_segnet(4, (3, 9, 12)).eval()
+    meta = {"model": "builtin:small-segnet", "num_classes": 4, "input_shape": [3, 9, 12]}
+    meta["normalisation"] = {"mean": [0.5] * 3, "std": [0.25] * 3}
+    save_tensors(tmp_path / "seg.safetensors", net.state_dict(), meta)
+    clf = DenseClassifier.from_classifier(
+        load_classifier("builtin:small-segnet", tmp_path / "seg.safetensors").classifier
+    )
+    x = torch.rand(2, 3, 9, 12)
+    assert clf.check_split(x) < 1e-5
+    with torch.no_grad():
+        assert_close(clf(x), net((x - 0.5) / 0.25), atol=1e-6, what="builtin logits")
+
+    tv = deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=5).eval()
+    torch.save(tv.state_dict(), tmp_path / "deeplab.pt")
+    loaded = load_classifier(
+        "torchvision:deeplabv3_mobilenet_v3_large",
+        tmp_path / "deeplab.pt",
+        model_args={"weights_backbone": None},
+        output="out",
+    )
+    clf = DenseClassifier.from_classifier(loaded.classifier)
+    assert (clf.head_name, clf.num_classes) == ("classifier.4", 5)  # class count read from the checkpoint
+    x = torch.rand(2, 3, 33, 40)
+    assert clf.check_split(x) < 1e-5
+    with torch.no_grad():
+        assert_close(clf(x), tv(x)["out"], atol=1e-6, what="torchvision logits")
