@@ -31,6 +31,7 @@ from bayescli.errors import BayescliError, require
 from bayescli.models.classifier import (
     HEAD_ATTRIBUTES,
     SPLIT_TOLERANCE,
+    Classifier,
     _choose,
     _conv_as_linear,
     _describe_elements,
@@ -194,6 +195,23 @@ class DenseClassifier(nn.Module):
         self._problem: str | None = None
         self.register_buffer("mean", torch.tensor(mean if mean else [0.0]))
         self.register_buffer("std", torch.tensor(std if std else [1.0]))
+
+    @classmethod
+    def from_classifier(
+        cls, classifier: Classifier, head_name: str | None = None, size: tuple[int, int] | None = None
+    ) -> DenseClassifier:
+        """The segmentation net a :class:`~bayescli.models.classifier.Classifier` wraps (as
+        :func:`~bayescli.models.specs.load_classifier` loads ``builtin:``, ``torchvision:``, ``py:``
+        specs and their checkpoints), with its normalisation and ``--output``; the classification head
+        it found is kept if it is a 1×1 conv (else :func:`find_dense_head`; ``head_name`` overrides)."""
+        net = classifier.network
+        if head_name is None:
+            head_name = classifier.head_name
+            if not _is_conv1x1(net.get_submodule(head_name)):
+                head_name = find_dense_head(net)
+        mean, std = classifier.mean.tolist(), classifier.std.tolist()
+        dense = cls(net, head_name, mean, std, output=classifier.output, size=size)
+        return dense.to(classifier.mean.device)
 
     # -- the parts --------------------------------------------------------------------------------
 
