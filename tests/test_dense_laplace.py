@@ -231,3 +231,18 @@ def test_masks_must_fit(setup):
         fit_dense_laplace(clf, [(x, bad)], structure="diag", prior_precision=1.0)
     with pytest.raises(BayescliError, match="do not match the model's output"):
         valid_rows(carry(clf, x), mask[:, :-1])
+
+
+def test_dense_posterior_file_round_trip(setup, tmp_path):
+    """Saved and loaded like any Laplace posterior: the dense record and the predictive survive."""
+    from bayescli.posterior.base import load_posterior
+
+    clf, x, mask = setup
+    post = fit_dense_laplace(clf, [(x, mask)], structure="kron")
+    post.save(tmp_path / "dense.safetensors")
+    back = load_posterior(tmp_path / "dense.safetensors")
+    assert back.meta["dense"] == post.meta["dense"] and back.head_bias is False
+    assert back.prior_precision == post.prior_precision and back.n_data == post.n_data
+    carried = carry(clf, x)
+    before, after = dense_predict(post, carried), dense_predict(back, carried)
+    assert_close(after.probs, before.probs, atol=1e-12, what="predictive after a round trip")
