@@ -88,6 +88,7 @@ def test_a_class_absent_everywhere_is_left_out_of_the_mean():
     metrics.update(probs, torch.tensor([[[0, 1]]]))
     got = metrics.result()
     assert got["iou"] == [0.5, 0.0, None] and got["mean_iou"] == 0.25
+    assert metrics.confusion().tolist() == [[1, 0, 0], [1, 0, 0], [0, 0, 0]]  # rows: true class
 
 
 def test_refusals():
