@@ -196,3 +196,28 @@ def test_checkpoints_load_as_dense_classifiers(tmp_path):
     assert clf.check_split(x) < 1e-5
     with torch.no_grad():
         assert_close(clf(x), tv(x)["out"], atol=1e-6, what="torchvision logits")
+
+
+def test_hugging_face_segformer_with_quarter_resolution_logits():
+    """SegformerForSemanticSegmentation: a ModelOutput with ``logits`` at 1/4 of the input, head
+    ``decode_head.classifier``; ``size`` brings the logits (and carried features) to the masks' size."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+        num_attention_heads=[1, 1], decoder_hidden_size=16, num_labels=K, patch_sizes=[7, 3],
+        strides=[4, 2], mlp_ratios=[2, 2],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    net = transformers.SegformerForSemanticSegmentation(cfg).eval()
+    clf = DenseClassifier(net, size=(32, 28))
+    x = torch.rand(2, 3, 32, 28)
+    assert clf.head_name == "decode_head.classifier"
+    assert clf.check_split(x) < 1e-5 and clf.output == "logits"
+    with torch.no_grad():
+        carried = clf.dense_features(x)
+        low = net(pixel_values=x).logits
+    assert carried.shape == (2, 17, 32, 28) and low.shape == (2, K, 8, 7)
+    up = F.interpolate(low, size=(32, 28), mode="bilinear", align_corners=False)
+    assert_close(
+        torch.einsum("kd,ndhw->nkhw", clf.weight_aug(), carried), up, atol=1e-5, what="Segformer logits"
+    )
