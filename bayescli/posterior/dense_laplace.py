@@ -112,7 +112,8 @@ def dense_feature_batches(
             classifier.check_split(x[:2])
             checked = True
         with torch.no_grad():
-            yield classifier.dense_features(x), mask
+            carried = classifier.dense_features(x)
+        yield carried, mask  # outside the block: grad mode is global, a suspended `with` would leak it
 
 
 def fit_dense_laplace(
