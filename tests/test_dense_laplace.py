@@ -37,7 +37,7 @@ DELTA = 0.7
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(2)  # a seed whose feature channels are all alive after the ReLU
+    torch.manual_seed(0)  # a seed whose feature channels are all alive after the ReLU
     net = SmallSegNet(C_IN, K, width=2).double()  # feature map C = 4, head 4 → 3
     with torch.no_grad():
         net.classifier.weight.mul_(3.0)  # confident, unequal probabilities: Λ_i far from uniform

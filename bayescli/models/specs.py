@@ -107,8 +107,9 @@ def lenet(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
 
 
 class SmallSegNet(nn.Module):
-    """Two 3×3 conv blocks (the second at stride 2), a 1×1-conv dense head ``classifier`` and bilinear
-    upsampling of its logits to the input's size (torchvision's segmentation layout, in miniature)."""
+    """Three 3×3 conv blocks (the second at stride 2, the third dilated: a 13-pixel receptive field,
+    enough to see an 8×8 digit whole), a 1×1-conv dense head ``classifier`` and bilinear upsampling
+    of its logits to the input's size (torchvision's segmentation layout, in miniature)."""
 
     def __init__(self, channels: int, num_classes: int, width: int = 16) -> None:
         super().__init__()
@@ -116,6 +117,8 @@ class SmallSegNet(nn.Module):
             nn.Conv2d(channels, width, 3, padding=1),
             nn.ReLU(),
             nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=2, dilation=2),
             nn.ReLU(),
         )
         self.classifier = nn.Conv2d(2 * width, num_classes, 1)

@@ -52,9 +52,11 @@ def valid_rows(
         f"{[carried.shape[0], *carried.shape[2:]]} [N, H, W]; resize the masks or the model's output "
         "to one resolution",
     )
-    labels = mask.reshape(-1).to(rows.device)
-    keep = valid_pixels(labels, ignore_index)
-    return rows[keep], labels[keep]
+    labels = mask.reshape(-1)
+    # the indices are found where the mask lives (the host, for data read from disk) and copied to
+    # the features' device: a boolean index on the device would wait for it once per batch
+    keep = valid_pixels(labels, ignore_index).nonzero().squeeze(1)
+    return rows.index_select(0, keep.to(rows.device)), labels[keep].to(rows.device)
 
 
 def _carried_head(weight_aug: torch.Tensor) -> nn.Linear:
