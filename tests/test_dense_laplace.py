@@ -246,3 +246,29 @@ def test_dense_posterior_file_round_trip(setup, tmp_path):
     carried = carry(clf, x)
     before, after = dense_predict(post, carried), dense_predict(back, carried)
     assert_close(after.probs, before.probs, atol=1e-12, what="predictive after a round trip")
+
+
+def test_kron_predictive_projected_at_the_head_resolution_is_the_same(setup):
+    """T(φ̃)ᵀ[W̃ᵀ | Q_A] = T(φ̃ᵀ[W̃ᵀ | Q_A]): the projected kron predictive equals the carried one."""
+    from bayescli.predictive.dense import projection
+
+    clf, x, mask = setup
+    post = fit_dense_laplace(clf, [(x, mask)], structure="kron", prior_precision=DELTA)
+    proj = projection(post)
+    assert proj.shape == (D1, K + D1)
+    with torch.no_grad():
+        projected = clf.dense_features(x, proj)
+    assert projected.shape == (N, K + D1, H, W)
+    plain = dense_logit_gaussian(post, carry(clf, x))
+    fast = dense_logit_gaussian(post, projected, projected=True)
+    assert_close(fast.mean, plain.mean, atol=1e-12, rtol=RTOL, what="projected means")
+    assert_close(fast.covariance(), plain.covariance(), atol=1e-12, rtol=RTOL, what="projected covariances")
+    a = dense_predict(post, projected, "probit", pixel_chunk=7, projected=True)
+    b = dense_predict(post, carry(clf, x), "probit")
+    assert_close(a.probs, b.probs, atol=1e-12, what="projected probit")
+    diag = fit_dense_laplace(clf, [(x, mask)], structure="diag", prior_precision=DELTA)
+    assert projection(diag) is None
+    with pytest.raises(BayescliError, match="kron posteriors only"):
+        dense_predict(diag, projected, projected=True)
+    with pytest.raises(BayescliError, match=r"must be \[5, M\]"):
+        clf.dense_features(x, proj[1:])

@@ -20,7 +20,7 @@ from bayescli.models.dense import DenseClassifier
 from bayescli.options import Link
 from bayescli.posterior.base import Posterior
 from bayescli.posterior.dense_laplace import dense_feature_batches
-from bayescli.predictive.dense import dense_predict
+from bayescli.predictive.dense import dense_predict, projection
 
 
 def evaluate_dense(
@@ -39,11 +39,14 @@ def evaluate_dense(
     links = [Link(link) for link in links]
     metrics = {link: SegmentationMetrics(classifier.num_classes, ignore_index) for link in links}
     gen = None
-    for carried, mask in dense_feature_batches(classifier, batches):
+    project = projection(posterior)  # kron: carry [W̃ψ | Q_Aᵀψ], projected at the head's resolution
+    for carried, mask in dense_feature_batches(classifier, batches, project=project):
         if gen is None:
             gen = devices.generator(carried.device, seed)
         for link in links:
-            pred = dense_predict(posterior, carried, link, samples=samples, generator=gen)
+            pred = dense_predict(
+                posterior, carried, link, samples=samples, generator=gen, projected=project is not None
+            )
             metrics[link].update(pred.probs, mask, pred.log_probs)
     report = {link.value: m.result() for link, m in metrics.items()}
     report["seconds"] = time.perf_counter() - start

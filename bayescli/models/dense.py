@@ -282,22 +282,36 @@ class DenseClassifier(nn.Module):
         require(phi is not None, f"the head '{self.head_name}' was never called in forward")
         return phi
 
-    def dense_features(self, x: torch.Tensor) -> torch.Tensor:
+    def dense_features(self, x: torch.Tensor, project: torch.Tensor | None = None) -> torch.Tensor:
         """The carried features ``T(φ̃) [N, C+1, H, W]`` (``T(φ) [N, C, H, W]`` for a head without
         bias) at the output's resolution: ``W̃ T(φ̃)`` at each pixel is the network's logits there.
 
-        One forward pass, with the head's output replaced by ``φ̃``. Raises if the operations after
-        the head cannot carry ``C+1`` channels (they depend on ``K``: not a ``T``), and refuses
-        models :meth:`check_split` found non-linear.
+        ``project [C+1, M]`` carries ``T(φ̃ᵀ project) [N, M, H, W]`` instead — the same as projecting
+        ``T(φ̃)`` at every output pixel (``T`` commutes with any per-position linear map), at the
+        head's resolution: ``(H·W)/(h·w)`` times fewer multiplications (a kron predictive's
+        ``[W̃ᵀ | Q_A]``, say).
+
+        One forward pass, with the head's output replaced by ``φ̃`` (or its projection). Raises if the
+        operations after the head cannot carry that many channels (they depend on ``K``: not a
+        ``T``), and refuses models :meth:`check_split` found non-linear.
         """
         require(self._problem is None, self._problem or "")
+        rows = self.feature_dim + int(self.head_bias)
+        require(
+            project is None or (project.dim() == 2 and project.shape[0] == rows),
+            f"a projection of the carried features must be [{rows}, M], got "
+            f"{list(project.shape) if project is not None else None}",
+        )
         if not self._resolved:
             with torch.no_grad():
                 self.forward(x[:1])
 
         def carry(_module: nn.Module, args: tuple, _out: torch.Tensor) -> torch.Tensor:
             phi = args[0]
-            return torch.cat([phi, torch.ones_like(phi[:, :1])], 1) if self.head_bias else phi
+            phi = torch.cat([phi, torch.ones_like(phi[:, :1])], 1) if self.head_bias else phi
+            if project is None:
+                return phi
+            return (phi.permute(0, 2, 3, 1) @ project.to(phi)).permute(0, 3, 1, 2)
 
         handle = self.layer.register_forward_hook(carry)
         try:
@@ -310,7 +324,7 @@ class DenseClassifier(nn.Module):
             ) from None
         finally:
             handle.remove()
-        want = self.feature_dim + int(self.head_bias)
+        want = rows if project is None else project.shape[1]
         require(
             carried.shape[1] == want,
             f"the operations after the dense head '{self.head_name}' change its channels "

@@ -101,10 +101,11 @@ def dense_feature_batches(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    project: torch.Tensor | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """``(x [B, ...], mask)`` pixel-space batches → ``(T(φ̃) [B, D, H, W], mask)`` on ``device``
-    (default: the classifier's) in ``dtype`` (default: the classifier's). The split is checked on
-    the first batch's first two images."""
+    (default: the classifier's) in ``dtype`` (default: the classifier's); with ``project [D, M]``,
+    ``T(φ̃ᵀ project) [B, M, H, W]``. The split is checked on the first batch's first two images."""
     param = next(classifier.parameters())
     device, dtype = device or param.device, dtype or param.dtype
     checked = False
@@ -114,7 +115,7 @@ def dense_feature_batches(
             classifier.check_split(x[:2])
             checked = True
         with torch.no_grad():
-            carried = classifier.dense_features(x)
+            carried = classifier.dense_features(x, project)
         yield carried, mask  # outside the block: grad mode is global, a suspended `with` would leak it
 
 

@@ -25,7 +25,7 @@ from bayescli import devices
 from bayescli.errors import BayescliError
 from bayescli.options import DEFAULT_CORRECTION, BridgeCorrection, Link
 from bayescli.posterior.base import Posterior
-from bayescli.posterior.gaussian import LogitGaussian
+from bayescli.posterior.gaussian import KronGaussian, LogitGaussian
 from bayescli.predictive.links import apply_link
 
 # Pixels pushed through the posterior and the link at once: bounds the [pixels, K] (and, for the MC
@@ -43,6 +43,33 @@ def from_rows(rows: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
     return rows.reshape(n, h, w, -1).permute(0, 3, 1, 2)
 
 
+def projection(posterior: Posterior) -> torch.Tensor | None:
+    """``[W̃ᵀ | Q_A]`` ``[D, K + D]`` of a last-layer kron posterior, ``None`` for other posteriors.
+
+    A kron pushforward needs only ``W̃ ψ`` and ``u = Q_Aᵀ ψ`` of each pixel's carried features ``ψ``
+    (:class:`~bayescli.posterior.gaussian.KronGaussian`); both are linear in ``ψ``, so they can be
+    carried through ``T`` instead of ``ψ`` (:meth:`DenseClassifier.dense_features` with ``project``),
+    computed at the head's resolution: ``T(φ̃)ᵀ M = T(φ̃ᵀ M)``. What is left at full resolution is
+    ``spectrum = u² · (1 / (g aᵀ + δ))ᵀ``, ``H·W·D·K`` multiplications against ``H·W·D·(2K + D)``.
+    """
+    gaussian = getattr(posterior, "gaussian", None)
+    if posterior.needs_inputs or not isinstance(gaussian, KronGaussian):
+        return None
+    return torch.cat([gaussian.mean.T, gaussian.Q_A], 1)
+
+
+def _projected_kron(posterior: Posterior, rows: torch.Tensor) -> LogitGaussian:
+    """The logit Gaussians of projected rows ``[M, K + D]`` = ``[W̃ψ | Q_Aᵀψ]`` (see :func:`projection`)."""
+    gaussian = getattr(posterior, "gaussian", None)
+    if not isinstance(gaussian, KronGaussian):
+        raise BayescliError(f"projected carried features serve kron posteriors only, not {posterior.label}")
+    rows = rows.to(gaussian.mean.dtype)
+    k = gaussian.mean.shape[0]
+    spectrum = rows[:, k:].square() @ gaussian.inv_eig.T  # [M, K]
+    var = spectrum @ gaussian.Q_G.square().T
+    return LogitGaussian(rows[:, :k], var, basis=gaussian.Q_G, spectrum=spectrum)
+
+
 def _require_last_layer(posterior: Posterior) -> None:
     if posterior.needs_inputs:
         raise BayescliError(
@@ -50,10 +77,15 @@ def _require_last_layer(posterior: Posterior) -> None:
         )
 
 
-def dense_logit_gaussian(posterior: Posterior, carried: torch.Tensor) -> LogitGaussian:
+def dense_logit_gaussian(
+    posterior: Posterior, carried: torch.Tensor, projected: bool = False
+) -> LogitGaussian:
     """The per-pixel logit Gaussians of carried features ``carried [N, D, H, W]``, as rows
-    ``[N·H·W, K]`` in ``(n, h, w)`` order (:func:`from_rows` maps its tensors back to images)."""
+    ``[N·H·W, K]`` in ``(n, h, w)`` order (:func:`from_rows` maps its tensors back to images).
+    ``projected``: ``carried`` is ``T(φ̃ᵀ projection(posterior)) [N, K + D, H, W]`` of a kron posterior."""
     _require_last_layer(posterior)
+    if projected:
+        return _projected_kron(posterior, to_rows(carried))
     return posterior.logit_gaussian(to_rows(carried))
 
 
@@ -80,10 +112,12 @@ def dense_predict(
     generator: torch.Generator | None = None,
     correction: BridgeCorrection | str = DEFAULT_CORRECTION,
     pixel_chunk: int = PIXEL_CHUNK,
+    projected: bool = False,
 ) -> DensePrediction:
     """GLM predictive at every pixel of ``carried [N, D, H, W]`` through ``link`` (any softmax link of
     :func:`~bayescli.predictive.links.apply_link`), ``pixel_chunk`` pixels at a time. The MC link draws
-    from one ``generator`` across chunks (seeded 0 on the features' device by default)."""
+    from one ``generator`` across chunks (seeded 0 on the features' device by default). ``projected``:
+    as for :func:`dense_logit_gaussian`."""
     link = Link(link)
     _require_last_layer(posterior)
     n, _, h, w = carried.shape
@@ -91,7 +125,8 @@ def dense_predict(
     gen = generator if generator is not None else devices.generator(carried.device, 0)
     parts = []
     for start in range(0, len(rows), pixel_chunk):
-        lg = posterior.logit_gaussian(rows[start : start + pixel_chunk])
+        chunk = rows[start : start + pixel_chunk]
+        lg = _projected_kron(posterior, chunk) if projected else posterior.logit_gaussian(chunk)
         out = apply_link(lg, link, samples, gen, correction)
         parts.append((out.probs, out.log_probs, lg.mean, lg.var, out.std, out.expected_entropy))
     cols = list(zip(*parts, strict=True))
