@@ -9,7 +9,7 @@
 >>> report = bayescli.evaluate([post], test_loader, ood=[svhn_loader])     # doctest: +SKIP
 
 ``model`` is an ``nn.Module`` in hand (its head found as the CLI finds it; ``head=`` names it), a
-:class:`~bayescli.models.LoadedModel`, or a model spec string with ``checkpoint=``. ``data`` is a
+:class:`~bayescli.models.specs.LoadedModel`, or a model spec string with ``checkpoint=``. ``data`` is a
 ``DataLoader`` (or any iterable of ``(x, y)`` batches), a pair of tensors ``(x [N, ...], y [N])``,
 a :class:`~bayescli.data.Data` or a data spec. Inputs from loaders and tensors are used as given:
 the module sees exactly what the loader yields (its own transforms, no extra normalisation).
