@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         shown = scenes.placed[:, 1] == 0
         line = f"{name}: {len(scenes.x)} scenes {list(scenes.x.shape[1:])}, {int(shown.sum())} digits"
         if scenes.anomaly is not None:
-            line += f", {int((~shown).sum())} letters, {float(scenes.anomaly.double().mean()):.1%} anomalous pixels"
+            share = float(scenes.anomaly.double().mean())
+            line += f", {int((~shown).sum())} letters, {share:.1%} anomalous pixels"
         fg = (scenes.mask > 0) & (scenes.mask != 255)
         print(f"{line}, {float(fg.double().mean()):.1%} digit pixels -> {args.out / (name + '.npz')}")
     print(f"composed in {time.perf_counter() - start:.1f} s (seed {args.seed})")

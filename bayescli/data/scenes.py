@@ -68,7 +68,9 @@ def _overlaps(box: tuple[int, int, int, int], boxes: list[tuple[int, int, int, i
     return any(t < t2 + h2 and t2 < t + h and left < l2 + w2 and l2 < left + w for t2, l2, h2, w2 in boxes)
 
 
-def _layout(gen: torch.Generator, canvas: tuple[int, int], sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _layout(
+    gen: torch.Generator, canvas: tuple[int, int], sizes: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     """Top-left corners for boxes of ``sizes`` on ``canvas``, none overlapping: each box tries
     :data:`TRIES` uniform positions; a box that finds no room restarts the whole layout."""
     for _ in range(TRIES):
@@ -132,9 +134,13 @@ def compose_scenes(
         kinds.append((ANOMALY, anomalies, anomaly_objects))
     for _, src, (lo, hi) in kinds:
         if not 0 <= lo <= hi:
-            raise BayescliError(f"objects per scene must be a range (lo, hi) with 0 ≤ lo ≤ hi, got {(lo, hi)}")
+            raise BayescliError(
+                f"objects per scene must be a range (lo, hi) with 0 ≤ lo ≤ hi, got {(lo, hi)}"
+            )
         if src.shape[1] > canvas[0] or src.shape[2] > canvas[1]:
-            raise BayescliError(f"images of {src.shape[1]}×{src.shape[2]} do not fit a {canvas[0]}×{canvas[1]} canvas")
+            raise BayescliError(
+                f"images of {src.shape[1]}×{src.shape[2]} do not fit a {canvas[0]}×{canvas[1]} canvas"
+            )
     dtype = images.dtype if anomalies is None or anomalies.dtype == images.dtype else torch.float32
 
     gen = torch.Generator().manual_seed(seed)

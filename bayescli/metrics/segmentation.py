@@ -34,10 +34,12 @@ definition on the float64 scores (scikit-learn's ``roc_auc_score``, ``average_pr
   one bin counts ½ instead of its exact 0, ½ or 1, so
   ``|ΔAUROC| ≤ ½ Σ_b p_b n_b / (P N)`` (``p_b``, ``n_b`` the bin's anomalous and normal counts,
   ``P``, ``N`` the totals) ``≤ ½ max_b n_b / N``;
-* AP: the exact thresholds inside bin ``b`` add recall ``p_b / P`` in total at precisions between
-  ``(T + 1) / (T + F + 1 + n_b)`` and ``(T + p_b) / (T + F + p_b)`` (``T``, ``F`` the counts above
-  the bin), and the binned AP adds ``p_b / P`` at one precision in that interval, so
-  ``|ΔAP| ≤ Σ_b (p_b / P) · (that interval's width)``;
+* AP: with ``T``, ``F`` the anomalous and normal counts above bin ``b``, the exact thresholds
+  inside it add ``(1/P) Σ_{i=1..p_b} (T + i) / (T + F + i + j_i)``, ``j_i`` the bin's normal pixels
+  scoring at least the ``i``-th anomalous one's score: at most with ``j_i = 0`` (all normal pixels
+  below), at least with ``j_i = n_b`` (all above); the binned AP adds
+  ``(p_b/P) (T + p_b) / (T + F + p_b + n_b)``, so ``|ΔAP| ≤ Σ_b`` (the larger distance from the
+  binned term to those two extremes), each sum in closed form through the digamma function;
 * FPR95: the exact threshold lies in the bin ``b*`` where the cumulative TPR first reaches 0.95;
   the binned value counts all of that bin's normal pixels, the exact one some of them:
   ``0 ≤ FPR95_binned − FPR95_exact ≤ n_{b*} / N``.
@@ -87,7 +89,9 @@ class SegmentationMetrics:
     batch; only :meth:`compute`'s scalars come back to the host.
     """
 
-    def __init__(self, num_classes: int, ignore_index: int | None = IGNORE_INDEX, bins: int = ECE_BINS) -> None:
+    def __init__(
+        self, num_classes: int, ignore_index: int | None = IGNORE_INDEX, bins: int = ECE_BINS
+    ) -> None:
         if num_classes < 1 or bins < 1:
             raise BayescliError(f"segmentation metrics need ≥ 1 class and bin, got {num_classes} and {bins}")
         self.num_classes, self.ignore_index, self.bins = num_classes, ignore_index, bins
@@ -120,7 +124,9 @@ class SegmentationMetrics:
                 f"got {list(pred.shape)} and {list(mask.shape)}"
             )
         if probs is not None and log_probs is not None and probs.shape != log_probs.shape:
-            raise BayescliError(f"probs {list(probs.shape)} and log_probs {list(log_probs.shape)} differ in shape")
+            raise BayescliError(
+                f"probs {list(probs.shape)} and log_probs {list(log_probs.shape)} differ in shape"
+            )
         mask = mask.to(pred.device)
         valid = _valid(mask, self.ignore_index)
         labels = mask[valid]
@@ -163,8 +169,14 @@ class SegmentationMetrics:
 
     def merge(self, other: SegmentationMetrics) -> None:
         """Add ``other``'s totals (another shard of the same set, e.g. another process's)."""
-        if (other.num_classes, other.bins, other.ignore_index) != (self.num_classes, self.bins, self.ignore_index):
-            raise BayescliError("cannot merge segmentation metrics of different classes, bins or ignore_index")
+        if (other.num_classes, other.bins, other.ignore_index) != (
+            self.num_classes,
+            self.bins,
+            self.ignore_index,
+        ):
+            raise BayescliError(
+                "cannot merge segmentation metrics of different classes, bins or ignore_index"
+            )
         if other.confusion is None:
             return
         self._state(other.confusion.device)
@@ -187,7 +199,9 @@ class SegmentationMetrics:
         ``reliability`` (per-bin ``count``, mean ``confidence``, ``accuracy``)."""
         n = 0 if self.confusion is None else int(self.confusion.sum())
         if n == 0:
-            raise BayescliError("segmentation metrics need at least one labelled pixel (all were ignore_index)")
+            raise BayescliError(
+                "segmentation metrics need at least one labelled pixel (all were ignore_index)"
+            )
         cm = self.confusion.view(self.num_classes, self.num_classes)
         iou = self.iou()
         present = [v for v in iou if v is not None]
@@ -287,12 +301,17 @@ def _curve_metrics(pos: torch.Tensor, neg: torch.Tensor, exact: bool) -> dict:
     if exact:
         bounds = torch.zeros(3, dtype=torch.float64)
     else:
-        hi = (tp_above + pos) / (tp_above + fp_above + pos).clamp_min(1)
-        lo = (tp_above + 1) / (tp_above + fp_above + 1 + neg)
+        # AP inside a bin: its anomalous pixels in any order among its normal ones add
+        # Σ_{i=1..p} (T+i)/(C+i) = p − (C−T)(ψ(C+p+1) − ψ(C+1)), largest with all normal ones
+        # last (C = T+F), smallest with them first (C = T+F+n); the binned AP adds p·(T+p)/(T+F+p+n)
+        t, f, p, n = tp_above[has], fp_above[has], pos[has], neg[has]
+        most = p - f * (torch.digamma(t + f + p + 1) - torch.digamma(t + f + 1))
+        least = p - (f + n) * (torch.digamma(t + f + n + p + 1) - torch.digamma(t + f + n + 1))
+        binned = p * (t + p) / (t + f + p + n)
         bounds = torch.stack(
             [
                 (pos * neg).sum() / (2 * big_p * big_n),
-                (pos[has] * (hi - lo)[has]).sum() / big_p,
+                torch.maximum(most - binned, binned - least).clamp_min(0).sum() / big_p,
                 neg[star] / big_n,
             ]
         )
@@ -324,7 +343,9 @@ class AnomalySegmentationMetrics:
         bins: int = 100_000,
         ignore_index: int | None = IGNORE_INDEX,
     ) -> None:
-        if value_range is not None and not (math.isfinite(value_range[0]) and value_range[1] > value_range[0]):
+        if value_range is not None and not (
+            math.isfinite(value_range[0]) and value_range[1] > value_range[0]
+        ):
             raise BayescliError(f"value_range must be a finite (lo, hi) with lo < hi, got {value_range}")
         if value_range is not None and bins < 1:
             raise BayescliError(f"bins must be ≥ 1, got {bins}")
@@ -360,7 +381,8 @@ class AnomalySegmentationMetrics:
         for name, score in scores.items():
             if score.shape != anomaly.shape:
                 raise BayescliError(
-                    f"anomaly score {name!r} is {list(score.shape)} but the anomaly mask is {list(anomaly.shape)}"
+                    f"anomaly score {name!r} is {list(score.shape)} "
+                    f"but the anomaly mask is {list(anomaly.shape)}"
                 )
             s = score[valid.to(score.device)]
             if bool(s.isnan().any()):
@@ -369,9 +391,12 @@ class AnomalySegmentationMetrics:
             if self.exact:
                 self._kept.setdefault(name, []).append((s.double(), lab))
                 continue
-            counts = torch.bincount(self._bin(s) * 2 + lab.long(), minlength=2 * self.num_bins)
             hist = self._hist.get(name)
-            self._hist[name] = counts if hist is None else hist + counts.to(hist.device)
+            if hist is None:
+                hist = self._hist[name] = torch.zeros(2 * self.num_bins, dtype=torch.int64, device=s.device)
+            # index_add, not bincount: the cost follows the batch's pixels, not the number of bins
+            idx = (self._bin(s) * 2 + lab.long()).to(hist.device)
+            hist.index_add_(0, idx, torch.ones_like(idx))
 
     def merge(self, other: AnomalySegmentationMetrics) -> None:
         """Add ``other``'s counts or kept scores (same binning)."""
@@ -420,5 +445,7 @@ class AnomalySegmentationMetrics:
         elif self.value_range is None:
             out["binning"] = f"float32 bits, {self.mantissa_bits} mantissa bits ({self.num_bins} bins)"
         else:
-            out["binning"] = f"{self.bins} equal-width bins over [{self.value_range[0]:g}, {self.value_range[1]:g}]"
+            out["binning"] = (
+                f"{self.bins} equal-width bins over [{self.value_range[0]:g}, {self.value_range[1]:g}]"
+            )
         return out
