@@ -137,31 +137,35 @@ def test_ignore_pixels_change_nothing():
     logits, mask = scene_batch(seed=2)
     other = logits.clone()
     void = (mask == 255).unsqueeze(1).expand_as(logits)
-    other[void] = torch.randn(int(void.sum())) * 50
+    other[void] = math.nan  # a void pixel's prediction may be anything
     a, b = (streamed(mask, [1, 3], log_probs=t.log_softmax(1)) for t in (logits, other))
     for key in ("pixel_accuracy", "mean_iou", "nll", "brier", "ece"):
         assert_close(a[key], b[key], atol=F64, what=key)
 
     scores = anomaly_scores(logits=logits)
     noisy = {
-        name: torch.where(mask == 255, torch.randn(mask.shape, dtype=torch.float64), s)
+        name: torch.where(mask == 255, torch.randn(mask.shape, dtype=torch.float64), s).masked_fill(
+            (mask == 255) & (torch.rand(mask.shape) < 0.3), math.nan
+        )
         for name, s in scores.items()
     }
     label = (mask == 1).long().masked_fill(mask == 255, 255)
     results = []
-    for sc in (scores, noisy):
-        m = AnomalySegmentationMetrics(exact=True)
-        m.update(sc, label)
-        results.append(m.compute())
+    for settings in ({"exact": True}, {}):
+        for sc in (scores, noisy):
+            m = AnomalySegmentationMetrics(**settings)
+            m.update(sc, label)
+            results.append(m.compute())
     assert results[0]["pixels"] == int((mask != 255).sum())
-    for name in scores:
-        for key in ("auroc", "ap", "fpr95"):
-            assert_close(
-                results[0]["scores"][name][key],
-                results[1]["scores"][name][key],
-                atol=F64,
-                what=f"{name} {key}",
-            )
+    for clean, dirty in ((0, 1), (2, 3)):
+        for name in scores:
+            for key in ("auroc", "ap", "fpr95"):
+                assert_close(
+                    results[clean]["scores"][name][key],
+                    results[dirty]["scores"][name][key],
+                    atol=F64,
+                    what=f"{name} {key}",
+                )
 
 
 def test_merge_equals_one_stream():
@@ -181,13 +185,43 @@ def test_merge_equals_one_stream():
 def test_bad_masks_and_shapes_raise():
     logits, mask = scene_batch()
     m = SegmentationMetrics(K)
-    with pytest.raises(BayescliError, match="mask holds class 7"):
-        m.update(mask.masked_fill(mask == 0, 7), log_probs=logits)
     with pytest.raises(BayescliError, match=r"\[B, 5, H, W\]"):
         m.update(mask[:, :5], log_probs=logits)
-    with pytest.raises(BayescliError, match="at least one labelled pixel"):
-        m.update(torch.full_like(mask, 255), log_probs=logits)
+    m.update(mask.masked_fill(mask == 0, 7), log_probs=logits)  # counted on the device, raised at the end
+    with pytest.raises(BayescliError, match=r"mask holds class 7 \(\d+ pixels\)"):
         m.compute()
+    m = SegmentationMetrics(K)
+    m.update(torch.full_like(mask, 255), log_probs=logits)
+    with pytest.raises(BayescliError, match="at least one labelled pixel"):
+        m.compute()
+
+
+def test_update_reads_nothing_back_and_equals_cpu():
+    from emulated_cuda import emulated_cuda
+
+    logits, mask = scene_batch(seed=10)
+    scores = anomaly_scores(logits=logits.double())
+    label = (mask == 2).long().masked_fill(mask == 255, 255)
+    cpu_seg, cpu_an = SegmentationMetrics(K), AnomalySegmentationMetrics()
+    cpu_seg.update(mask, log_probs=logits.log_softmax(1))
+    cpu_an.update(scores, label)
+    with emulated_cuda() as stats:
+        dev_logits, dev_mask, dev_label = logits.cuda(), mask.cuda(), label.cuda()
+        dev_scores = {k: v.cuda() for k, v in scores.items()}
+        seg_m, an_m = SegmentationMetrics(K), AnomalySegmentationMetrics()
+        stats.reset()
+        for b in range(len(mask)):
+            seg_m.update(dev_mask[b : b + 1], log_probs=dev_logits[b : b + 1].log_softmax(1))
+            an_m.update({k: v[b : b + 1] for k, v in dev_scores.items()}, dev_label[b : b + 1])
+        assert stats.host_reads == 0, stats.events
+        assert seg_m.confusion.is_cuda
+        dev_seg, dev_an = seg_m.compute(), an_m.compute()
+    want_seg, want_an = cpu_seg.compute(), cpu_an.compute()
+    for key in ("pixel_accuracy", "mean_iou", "nll", "brier", "ece"):
+        assert_close(dev_seg[key], want_seg[key], atol=F64, what=key)
+    for name in scores:
+        for key in ("auroc", "ap", "fpr95"):
+            assert_close(dev_an["scores"][name][key], want_an["scores"][name][key], atol=F64, what=key)
 
 
 # ---------------------------------------------------------------- anomaly segmentation
@@ -367,10 +401,16 @@ def test_anomaly_metrics_rank_anomalies_high():
 def test_anomaly_bad_inputs_raise():
     scores, label = anomaly_batch()
     m = AnomalySegmentationMetrics()
-    with pytest.raises(BayescliError, match="found 2"):
-        m.update(scores, label.masked_fill(label == 1, 2))
-    with pytest.raises(BayescliError, match="NaN"):
-        m.update({"x": scores["normal"].masked_fill(label == 0, math.nan)}, label)
-    with pytest.raises(BayescliError, match="both anomalous and normal"):
-        m.update({"x": scores["normal"]}, label.masked_fill(label == 1, 0))
+    m.update(scores, label.masked_fill(label == 1, 2))
+    with pytest.raises(BayescliError, match=r"found 2 \(\d+ pixels\)"):
         m.compute()
+    m = AnomalySegmentationMetrics()
+    m.update({"x": scores["normal"].masked_fill(label == 0, math.nan)}, label)
+    with pytest.raises(BayescliError, match="NaN on"):
+        m.compute()
+    m = AnomalySegmentationMetrics()
+    m.update({"x": scores["normal"]}, label.masked_fill(label == 1, 0))
+    with pytest.raises(BayescliError, match="both anomalous and normal"):
+        m.compute()
+    with pytest.raises(BayescliError, match="anomaly mask is"):
+        m.update({"x": scores["normal"][:, :3]}, label)

@@ -64,6 +64,7 @@ IGNORE_INDEX = 255
 MANTISSA_BITS = 10  # 2^19 = 524,288 bins, relative width 2^-10 ≈ 0.1%
 # Rows (pixels) per chunk times classes: bounds the float64 copies one update makes, whatever B·H·W.
 CHUNK_ELEMENTS = 1 << 22
+NO_CLASS = -(1 << 62)  # below any class a mask can hold: "no bad class seen yet"
 
 PROTOCOL = {
     "pixels": "valid pixels only (mask != ignore_index); every metric sums over the set's pixels",
@@ -86,7 +87,9 @@ class SegmentationMetrics:
     segmentation, fed by :meth:`update`; :meth:`compute` gives the totals so far.
 
     The state (a ``[K, K]`` confusion matrix and float64 sums) lives on the device of the first
-    batch; only :meth:`compute`'s scalars come back to the host.
+    batch, and :meth:`update` reads nothing back from it (no host sync per batch): a mask class
+    outside ``0 … K−1`` is counted there and raised by :meth:`compute`. Only :meth:`compute`'s
+    numbers come back to the host.
     """
 
     def __init__(
@@ -95,9 +98,10 @@ class SegmentationMetrics:
         if num_classes < 1 or bins < 1:
             raise BayescliError(f"segmentation metrics need ≥ 1 class and bin, got {num_classes} and {bins}")
         self.num_classes, self.ignore_index, self.bins = num_classes, ignore_index, bins
-        self.confusion: torch.Tensor | None = None  # [K, K] int64, rows = true class, columns = predicted
+        self.confusion: torch.Tensor | None = None  # [K·K] int64, row-major: true class, predicted
         self._sums: torch.Tensor | None = None  # [4] float64: NLL, Brier, max-prob, entropy
         self._bins: torch.Tensor | None = None  # [3, bins] float64: count, hits, confidence
+        self._bad: torch.Tensor | None = None  # [2] int64: pixels of a class ≥ K or < 0, the largest
 
     def _state(self, device: torch.device) -> None:
         if self.confusion is None:
@@ -105,6 +109,7 @@ class SegmentationMetrics:
             self.confusion = torch.zeros(k * k, dtype=torch.int64, device=device)
             self._sums = torch.zeros(4, dtype=torch.float64, device=device)
             self._bins = torch.zeros(3, self.bins, dtype=torch.float64, device=device)
+            self._bad = torch.tensor([0, NO_CLASS], dtype=torch.int64, device=device)
 
     def update(
         self, mask: torch.Tensor, log_probs: torch.Tensor | None = None, probs: torch.Tensor | None = None
@@ -113,7 +118,8 @@ class SegmentationMetrics:
         ``log_probs [B, K, H, W]`` and/or ``probs [B, K, H, W]``. With both, NLL comes from
         ``log_probs`` and the rest from ``probs`` (as
         :func:`~bayescli.metrics.classification.classification_summary`); with one, the other is
-        its float64 ``exp`` / ``log``."""
+        its float64 ``exp`` / ``log``. Ignored pixels' predictions are never used (they may be
+        anything, NaN included)."""
         pred = log_probs if log_probs is not None else probs
         if pred is None:
             raise BayescliError("segmentation metrics need log_probs or probs")
@@ -127,44 +133,42 @@ class SegmentationMetrics:
             raise BayescliError(
                 f"probs {list(probs.shape)} and log_probs {list(log_probs.shape)} differ in shape"
             )
-        mask = mask.to(pred.device)
-        valid = _valid(mask, self.ignore_index)
-        labels = mask[valid]
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= k):
-            bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
-            raise BayescliError(
-                f"mask holds class {bad} but the model has {k} classes (0–{k - 1}, "
-                f"ignore_index {self.ignore_index}); use masks with the model's classes or set ignore_index"
-            )
         self._state(pred.device)
+        mask = mask.to(pred.device).long()
+        valid = _valid(mask, self.ignore_index)
+        bad = valid & ((mask < 0) | (mask >= k))
+        self._bad[0] += bad.sum()
+        self._bad[1] = torch.maximum(self._bad[1], torch.where(bad, mask, NO_CLASS).max())
+        use = valid & ~bad
+        y_all = torch.where(use, mask, 0)  # a safe index where the pixel does not count
         chunk = max(1, CHUNK_ELEMENTS // k)
         for b in range(pred.shape[0]):
-            where = torch.nonzero(valid[b].reshape(-1)).squeeze(1)
-            y_img = mask[b].reshape(-1)
-            # [K, H·W] views of image b; each chunk gathers its valid pixels as rows [n, K]
+            y_img, use_img = y_all[b].reshape(-1), use[b].reshape(-1)
+            # [K, H·W] views of image b; each chunk of pixels becomes rows [n, K]
             lp_img = None if log_probs is None else log_probs[b].reshape(k, -1)
             p_img = None if probs is None else probs[b].reshape(k, -1)
-            for idx in where.split(chunk):
-                lp = None if lp_img is None else lp_img[:, idx].T.double()
-                p = p_img[:, idx].T.double() if p_img is not None else lp.exp()
-                self._add(y_img[idx].long(), p, log_probabilities(p) if lp is None else lp)
+            for start in range(0, len(y_img), chunk):
+                cols = slice(start, start + chunk)
+                lp = None if lp_img is None else lp_img[:, cols].T.double()
+                p = p_img[:, cols].T.double() if p_img is not None else lp.exp()
+                self._add(y_img[cols], use_img[cols], p, log_probabilities(p) if lp is None else lp)
 
-    def _add(self, y: torch.Tensor, p: torch.Tensor, logp: torch.Tensor) -> None:
-        """Sums for the pixels ``y [n]`` with probabilities and log-probabilities ``[n, K]`` (float64)."""
+    def _add(self, y: torch.Tensor, use: torch.Tensor, p: torch.Tensor, logp: torch.Tensor) -> None:
+        """Sums for the pixels ``y [n]`` that ``use [n]`` marks, with probabilities and
+        log-probabilities ``[n, K]`` (float64); the others add nothing (``where``, not a product,
+        so that a NaN there cannot leak)."""
         k = self.num_classes
         conf, pred = p.max(-1)
-        self.confusion += torch.bincount(y * k + pred, minlength=k * k)
+        conf = torch.where(use, conf, 0.0)
+        # unused pixels go to one extra cell, dropped
+        self.confusion += torch.bincount(torch.where(use, y * k + pred, k * k), minlength=k * k + 1)[:-1]
         onehot = torch.nn.functional.one_hot(y, k).double()
-        self._sums += torch.stack(
-            [
-                -logp.gather(1, y[:, None]).sum(),
-                (p - onehot).pow(2).sum(),
-                conf.sum(),
-                entropy(p).sum(),
-            ]
+        terms = torch.stack(
+            [-logp.gather(1, y[:, None]).squeeze(1), (p - onehot).pow(2).sum(-1), conf, entropy(p)]
         )
+        self._sums += torch.where(use, terms, 0.0).sum(1)
         idx = (torch.ceil(conf * self.bins) - 1).clamp(0, self.bins - 1).long()
-        per_bin = torch.stack([torch.ones_like(conf), (pred == y).double(), conf])  # [3, n]
+        per_bin = torch.stack([use.double(), (use & (pred == y)).double(), conf])  # [3, n]
         self._bins.index_add_(1, idx, per_bin)
 
     def merge(self, other: SegmentationMetrics) -> None:
@@ -180,9 +184,12 @@ class SegmentationMetrics:
         if other.confusion is None:
             return
         self._state(other.confusion.device)
-        self.confusion += other.confusion.to(self.confusion.device)
-        self._sums += other._sums.to(self._sums.device)
-        self._bins += other._bins.to(self._bins.device)
+        device = self.confusion.device
+        self.confusion += other.confusion.to(device)
+        self._sums += other._sums.to(device)
+        self._bins += other._bins.to(device)
+        self._bad[0] += other._bad[0].to(device)
+        self._bad[1] = torch.maximum(self._bad[1], other._bad[1].to(device))
 
     def iou(self) -> list[float | None]:
         """IoU per class ``[K]`` (``None`` for a class in neither ground truth nor prediction)."""
@@ -197,6 +204,13 @@ class SegmentationMetrics:
         """``pixels``, ``pixel_accuracy``, ``mean_iou``, ``iou`` (per class, ``None`` where 0/0),
         ``nll``, ``brier``, ``ece``, ``mmc``, ``entropy`` (mean per pixel, nats) and
         ``reliability`` (per-bin ``count``, mean ``confidence``, ``accuracy``)."""
+        if self._bad is not None and int(self._bad[0]):
+            k = self.num_classes
+            raise BayescliError(
+                f"mask holds class {int(self._bad[1])} ({int(self._bad[0])} pixels) but the model has {k} "
+                f"classes (0–{k - 1}, ignore_index {self.ignore_index}); use masks with the model's "
+                "classes or set ignore_index"
+            )
         n = 0 if self.confusion is None else int(self.confusion.sum())
         if n == 0:
             raise BayescliError(
@@ -352,8 +366,13 @@ class AnomalySegmentationMetrics:
         float_bins(torch.zeros(1), mantissa_bits)  # validates mantissa_bits
         self.exact, self.mantissa_bits, self.value_range, self.bins = exact, mantissa_bits, value_range, bins
         self.ignore_index = ignore_index
-        self._hist: dict[str, torch.Tensor] = {}  # name -> [2, bins] int64: normal, anomalous counts
-        self._kept: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # exact: (scores, labels)
+        # name -> [2·bins + 1] int64: (normal, anomalous) count per bin, then one dropped cell
+        self._hist: dict[str, torch.Tensor] = {}
+        # exact: name -> [(scores [n] float64, anomalous [n] bool, counted [n] bool)]
+        self._kept: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # checked by compute, so that update reads nothing back: bad labels (count, largest), NaNs
+        self._bad: torch.Tensor | None = None
+        self._nan: dict[str, torch.Tensor] = {}
 
     @property
     def num_bins(self) -> int:
@@ -367,36 +386,45 @@ class AnomalySegmentationMetrics:
     def update(self, scores: Mapping[str, torch.Tensor], anomaly: torch.Tensor) -> None:
         """Add a batch: ``scores`` maps names to ``[B, H, W]`` (higher = more anomalous, e.g.
         :func:`anomaly_scores`), ``anomaly [B, H, W]`` holds 1 (anomalous), 0 (normal) or
-        ``ignore_index`` (void, left out), or is boolean."""
-        valid = _valid(anomaly, None if anomaly.dtype is torch.bool else self.ignore_index)
-        label = anomaly[valid]
-        if label.dtype is not torch.bool:
-            if label.numel() and bool(((label != 0) & (label != 1)).any()):
-                bad = int(label[(label != 0) & (label != 1)][0])
-                raise BayescliError(
-                    f"anomaly masks must hold 0 (normal), 1 (anomalous) or ignore_index "
-                    f"{self.ignore_index}; found {bad}"
+        ``ignore_index`` (void, left out), or is boolean. Reads nothing back from the device: a
+        label other than 0, 1 or ``ignore_index`` and a NaN score on a counted pixel are raised
+        by :meth:`compute`."""
+        if anomaly.dtype is torch.bool:
+            valid, label = torch.ones_like(anomaly), anomaly
+        else:
+            valid, label = _valid(anomaly, self.ignore_index), anomaly == 1
+            bad = valid & (anomaly != 0) & ~label
+            found = torch.stack([bad.sum(), torch.where(bad, anomaly.long(), NO_CLASS).max()])
+            self._bad = (
+                found
+                if self._bad is None
+                else torch.stack(
+                    [self._bad[0] + found[0].to(self._bad.device), torch.maximum(self._bad[1], found[1])]
                 )
-            label = label == 1
+            )
+            valid = valid & ~bad
         for name, score in scores.items():
             if score.shape != anomaly.shape:
                 raise BayescliError(
                     f"anomaly score {name!r} is {list(score.shape)} "
                     f"but the anomaly mask is {list(anomaly.shape)}"
                 )
-            s = score[valid.to(score.device)]
-            if bool(s.isnan().any()):
-                raise BayescliError(f"anomaly score {name!r} has NaN pixels")
-            lab = label.to(s.device)
+            lab, use = label.to(score.device), valid.to(score.device)
+            nan = (use & score.isnan()).sum()
+            self._nan[name] = nan if name not in self._nan else self._nan[name] + nan
+            use = use & ~score.isnan()
             if self.exact:
-                self._kept.setdefault(name, []).append((s.double(), lab))
+                kept = (score.reshape(-1).double(), lab.reshape(-1), use.reshape(-1))
+                self._kept.setdefault(name, []).append(kept)
                 continue
             hist = self._hist.get(name)
             if hist is None:
-                hist = self._hist[name] = torch.zeros(2 * self.num_bins, dtype=torch.int64, device=s.device)
-            # index_add, not bincount: the cost follows the batch's pixels, not the number of bins
-            idx = (self._bin(s) * 2 + lab.long()).to(hist.device)
-            hist.index_add_(0, idx, torch.ones_like(idx))
+                size = 2 * self.num_bins + 1
+                hist = self._hist[name] = torch.zeros(size, dtype=torch.int64, device=score.device)
+            # index_add, not bincount: the cost follows the batch's pixels, not the number of bins;
+            # pixels that do not count go to the last cell
+            idx = torch.where(use, self._bin(score) * 2 + lab.long(), 2 * self.num_bins).reshape(-1)
+            hist.index_add_(0, idx.to(hist.device), torch.ones_like(idx, device=hist.device))
 
     def merge(self, other: AnomalySegmentationMetrics) -> None:
         """Add ``other``'s counts or kept scores (same binning)."""
@@ -408,18 +436,29 @@ class AnomalySegmentationMetrics:
         for name, hist in other._hist.items():
             mine = self._hist.get(name)
             self._hist[name] = hist.clone() if mine is None else mine + hist.to(mine.device)
+        for name, nan in other._nan.items():
+            self._nan[name] = (
+                nan.clone() if name not in self._nan else self._nan[name] + nan.to(self._nan[name].device)
+            )
+        if other._bad is not None:
+            theirs = other._bad if self._bad is None else other._bad.to(self._bad.device)
+            self._bad = (
+                theirs.clone()
+                if self._bad is None
+                else torch.stack([self._bad[0] + theirs[0], torch.maximum(self._bad[1], theirs[1])])
+            )
 
     def _counts(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Anomalous and normal counts ``([T], [T])`` float64, from the highest score down."""
         if self.exact:
-            s = torch.cat([s for s, _ in self._kept[name]])
-            lab = torch.cat([lab for _, lab in self._kept[name]]).double()
+            s, lab, use = (torch.cat(part) for part in zip(*self._kept[name], strict=True))
+            s, lab = s[use], lab[use].double()
             _, inverse = torch.unique(s, return_inverse=True)  # one threshold per distinct score
             size = int(inverse.max()) + 1 if len(s) else 0
             pos = torch.zeros(size, dtype=torch.float64, device=s.device).index_add_(0, inverse, lab)
             neg = torch.zeros_like(pos).index_add_(0, inverse, 1 - lab)
         else:
-            both = self._hist[name].view(-1, 2).double()
+            both = self._hist[name][:-1].view(-1, 2).double()
             neg, pos = both[:, 0], both[:, 1]
         return pos.flip(0), neg.flip(0)
 
@@ -430,6 +469,14 @@ class AnomalySegmentationMetrics:
         names = list(self._kept if self.exact else self._hist)
         if not names:
             raise BayescliError("anomaly metrics have no scores yet")
+        if self._bad is not None and int(self._bad[0]):
+            raise BayescliError(
+                f"anomaly masks must hold 0 (normal), 1 (anomalous) or ignore_index {self.ignore_index}; "
+                f"found {int(self._bad[1])} ({int(self._bad[0])} pixels)"
+            )
+        for name, nan in self._nan.items():
+            if int(nan):
+                raise BayescliError(f"anomaly score {name!r} is NaN on {int(nan)} counted pixels")
         out: dict = {"scores": {}}
         for name in names:
             pos, neg = self._counts(name)
