@@ -458,7 +458,8 @@ class AnomalySegmentationMetrics:
             pos = torch.zeros(size, dtype=torch.float64, device=s.device).index_add_(0, inverse, lab)
             neg = torch.zeros_like(pos).index_add_(0, inverse, 1 - lab)
         else:
-            both = self._hist[name][:-1].view(-1, 2).double()
+            both = self._hist[name][:-1].view(-1, 2)
+            both = both[both.sum(1) > 0].double()  # an empty bin is no threshold: dropped
             neg, pos = both[:, 0], both[:, 1]
         return pos.flip(0), neg.flip(0)
 
