@@ -371,6 +371,9 @@ def test_anomaly_scores_formulas_and_direction():
     each = -(samples.exp() * samples).sum(2).mean(0)
     assert_close(out["mutual_information"], ent - each, atol=1e-12, what="mutual information")
     assert_close(out["energy"], -torch.log(torch.exp(logits).sum(1)), rtol=1e-12, what="energy")
+    # MI is the samples' own, whatever predictive log_probs comes with them
+    other = anomaly_scores(logits.log_softmax(1), sample_log_probs=samples)["mutual_information"]
+    assert_close(other, ent - each, atol=1e-12, what="mutual information beside another predictive")
     plain = anomaly_scores(logits=logits)
     assert set(plain) == {"max_prob", "entropy", "energy"}
     assert float(plain["max_prob"][0, 0, 0]) > 0.0  # the saturated pixel keeps its tiny 1 − max p

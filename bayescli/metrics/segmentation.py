@@ -18,15 +18,18 @@ torchmetrics' ``MulticlassJaccardIndex`` macro average).
 **Anomaly segmentation** (:class:`AnomalySegmentationMetrics`): per-pixel anomaly scores
 ``[B, H, W]`` against binary labels ``[B, H, W]`` (1 anomalous = the positive class, 0 normal,
 ``ignore_index`` void), as SegmentMeIfYouCan and Fishyscapes report them: AUROC, average precision
-(scikit-learn's step-wise ``Σ_t (R_t − R_{t−1}) P_t``) and FPR at 95% TPR (the false-positive rate
-at the highest threshold whose TPR reaches 0.95, every distinct threshold kept), all with the
-convention *higher score = more anomalous* (:func:`anomaly_scores` makes its scores so).
+(scikit-learn's step-wise ``Σ_t (R_t − R_{t−1}) P_t``; SegmentMeIfYouCan's own code integrates
+its binned PR curve by the trapezoid rule instead) and FPR at 95% TPR (the false-positive rate at
+the highest threshold whose TPR reaches 0.95, every distinct threshold kept: scikit-learn's
+``roc_curve(..., drop_intermediate=False)``), all with the convention *higher score = more
+anomalous* (:func:`anomaly_scores` makes its scores so).
 
 Streaming without the pixels: each score goes through a monotone non-decreasing map to a bin
 (float32 bit patterns: the sign, the exponent and the top ``mantissa_bits`` of the mantissa, so a
 bin spans a relative width ``2^−mantissa_bits`` at any magnitude, from the ``1e-30`` of a saturated
 max-prob to an energy of −500; or equal-width bins over a given range, values outside it clipped
-into the end bins) and per-bin counts of anomalous and normal pixels are summed. Binning preserves
+into the end bins) and per-bin counts of anomalous and normal pixels are summed (``2^(10 +
+mantissa_bits)`` int64 per score: 8 MiB at the default 10 bits). Binning preserves
 the order of any two scores in different bins and ties the scores in one bin, so against the exact
 definition on the float64 scores (scikit-learn's ``roc_auc_score``, ``average_precision_score``):
 
@@ -253,7 +256,7 @@ def anomaly_scores(
       saturated pixel keeps its tiny value (ranks as ``−max p``: low confidence is anomalous);
     * ``entropy``: the predictive entropy (nats);
     * ``mutual_information``: ``H(mean_s p_s) − mean_s H(p_s)`` of ``sample_log_probs
-      [S, B, K, H, W]``, or the given ``mutual_information [B, H, W]``;
+      [S, B, K, H, W]`` (log-probabilities per sample), or the given ``mutual_information [B, H, W]``;
     * ``energy``: ``−logsumexp_k`` of ``logits [B, K, H, W]`` (Liu et al. 2020; in-distribution
       pixels have low energy).
 
@@ -272,8 +275,12 @@ def anomaly_scores(
         out["max_prob"] = logp.scatter(1, top, -math.inf).logsumexp(1).exp()
         out["entropy"] = entropy_of_log(logp.movedim(1, -1))
     if sample_log_probs is not None:
-        each = entropy_of_log(sample_log_probs.double().movedim(2, -1)).mean(0)
-        out["mutual_information"] = out["entropy"] - each
+        samples = sample_log_probs.double()
+        mean = samples.logsumexp(0) - math.log(
+            samples.shape[0]
+        )  # the samples' own mean, whatever log_probs is
+        each = entropy_of_log(samples.movedim(2, -1)).mean(0)
+        out["mutual_information"] = entropy_of_log(mean.movedim(1, -1)) - each
     elif mutual_information is not None:
         out["mutual_information"] = mutual_information.double()
     if logits is not None:
