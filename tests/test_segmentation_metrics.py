@@ -191,6 +191,7 @@ def test_bad_masks_and_shapes_raise():
     with pytest.raises(BayescliError, match=r"mask holds class 7 \(\d+ pixels\)"):
         m.compute()
     m = SegmentationMetrics(K)
+    m.update(mask[:0], log_probs=logits[:0])  # an empty batch adds nothing
     m.update(torch.full_like(mask, 255), log_probs=logits)
     with pytest.raises(BayescliError, match="at least one labelled pixel"):
         m.compute()
@@ -412,8 +413,19 @@ def test_anomaly_bad_inputs_raise():
     with pytest.raises(BayescliError, match="NaN on"):
         m.compute()
     m = AnomalySegmentationMetrics()
+    m.update({"x": scores["normal"][:0]}, label[:0])
     m.update({"x": scores["normal"]}, label.masked_fill(label == 1, 0))
     with pytest.raises(BayescliError, match="both anomalous and normal"):
         m.compute()
     with pytest.raises(BayescliError, match="anomaly mask is"):
         m.update({"x": scores["normal"][:, :3]}, label)
+
+
+def test_boolean_anomaly_masks_have_no_void():
+    scores, label = anomaly_batch(seed=11)
+    as_int = stream_anomaly(scores, label.masked_fill(label == 255, 0), [4], exact=True)
+    as_bool = stream_anomaly(scores, label == 1, [4], exact=True)
+    assert as_bool["pixels"] == label.numel() == as_int["pixels"]
+    for name in scores:
+        for key in ("auroc", "ap", "fpr95"):
+            assert_close(as_bool["scores"][name][key], as_int["scores"][name][key], atol=F64, what=key)

@@ -137,6 +137,8 @@ class SegmentationMetrics:
                 f"probs {list(probs.shape)} and log_probs {list(log_probs.shape)} differ in shape"
             )
         self._state(pred.device)
+        if not mask.numel():
+            return
         mask = mask.to(pred.device).long()
         valid = _valid(mask, self.ignore_index)
         bad = valid & ((mask < 0) | (mask >= k))
@@ -276,9 +278,8 @@ def anomaly_scores(
         out["entropy"] = entropy_of_log(logp.movedim(1, -1))
     if sample_log_probs is not None:
         samples = sample_log_probs.double()
-        mean = samples.logsumexp(0) - math.log(
-            samples.shape[0]
-        )  # the samples' own mean, whatever log_probs is
+        # the samples' own mean: MI is theirs, whatever predictive log_probs is
+        mean = samples.logsumexp(0) - math.log(samples.shape[0])
         each = entropy_of_log(samples.movedim(2, -1)).mean(0)
         out["mutual_information"] = entropy_of_log(mean.movedim(1, -1)) - each
     elif mutual_information is not None:
@@ -396,6 +397,8 @@ class AnomalySegmentationMetrics:
         ``ignore_index`` (void, left out), or is boolean. Reads nothing back from the device: a
         label other than 0, 1 or ``ignore_index`` and a NaN score on a counted pixel are raised
         by :meth:`compute`."""
+        if not anomaly.numel():
+            return
         if anomaly.dtype is torch.bool:
             valid, label = torch.ones_like(anomaly), anomaly
         else:
