@@ -384,6 +384,7 @@ class AnomalySegmentationMetrics:
 
     @property
     def num_bins(self) -> int:
+        """Bins per score (``bins`` over ``value_range``, else ``2^(9 + mantissa_bits)``)."""
         return self.bins if self.value_range is not None else 1 << (9 + self.mantissa_bits)
 
     def _bin(self, score: torch.Tensor) -> torch.Tensor:
