@@ -37,7 +37,7 @@ _EXPORTS = {
     "evaluate": "bayescli.api",
     "extract_features": "bayescli.models.features",
     "fit": "bayescli.api",
-    "FitSource": "bayescli.methods.fit_source",
+    "FitSource": "bayescli.fitting.fit_source",
     "fit_laplace": "bayescli.posterior",
     "laplace_bridge": "bayescli.predictive.dirichlet",
     "LaplacePosterior": "bayescli.posterior",

@@ -9,7 +9,7 @@
 >>> report = bayescli.evaluate([post], test_loader, ood=[svhn_loader])     # doctest: +SKIP
 
 ``model`` is an ``nn.Module`` in hand (its head found as the CLI finds it; ``head=`` names it), a
-:class:`~bayescli.models.LoadedModel`, or a model spec string with ``checkpoint=``. ``data`` is a
+:class:`~bayescli.models.specs.LoadedModel`, or a model spec string with ``checkpoint=``. ``data`` is a
 ``DataLoader`` (or any iterable of ``(x, y)`` batches), a pair of tensors ``(x [N, ...], y [N])``,
 a :class:`~bayescli.data.Data` or a data spec. Inputs from loaders and tensors are used as given:
 the module sees exactly what the loader yields (its own transforms, no extra normalisation).
@@ -29,16 +29,16 @@ from torch import nn
 from bayescli.data import ArrayData, Data
 from bayescli.data.base import Source
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.fitting import (
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.pipeline import (
     DataOptions,
     ModelOptions,
     check_labels,
     fit_posterior,
     require_likelihood,
 )
-from bayescli.methods.registry import create_settings
-from bayescli.methods.registry import methods as _methods
+from bayescli.fitting.registry import create_settings
+from bayescli.fitting.registry import methods as _methods
 from bayescli.models.features import parse_precision
 from bayescli.models.preprocess import Preprocess
 from bayescli.models.specs import LoadedModel, ModelSpec
@@ -421,8 +421,8 @@ def select(
     ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` | ``brier`` | ``auroc``). Returns
     the leaderboard (``bayescli select``'s ``leaderboard.json``) and the posteriors by method;
     ``out_dir`` also writes their files. ``precision``: the feature pass's, as in :func:`fit`."""
-    from bayescli.methods.select import DEFAULT_METHODS, SelectOptions
-    from bayescli.methods.select import select as run_select
+    from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions
+    from bayescli.fitting.select import select as run_select
 
     loaded = as_model(model, head=head, preprocess=preprocess)
     loaded = dataclasses.replace(loaded, precision=parse_precision(precision))

@@ -52,7 +52,7 @@ def table(model: str, ckpt: Path, mnist_root: Path, notmnist: Path) -> list[dict
     """MAP vs Laplace vs MNVI on composed MNIST (rows of the README table)."""
     import bayescli
     from bayescli.data import load_data
-    from bayescli.methods.laplace import PriorRule
+    from bayescli.fitting.laplace import PriorRule
     from bayescli.models.specs import load_classifier
 
     loaded = load_classifier(model, ckpt)

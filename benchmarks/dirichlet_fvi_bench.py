@@ -36,7 +36,7 @@ from common import best_of, peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.dirichlet import dirichlet_from_samples, dirichlet_to_gaussian_diag, fit_precision  # noqa: E402
-from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.fitting.fit_source import FitSource  # noqa: E402
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec  # noqa: E402
 from bayescli.options import Subset  # noqa: E402
 from bayescli.posterior.base import load_posterior  # noqa: E402

@@ -31,7 +31,7 @@ import torch
 
 from bayescli.data import load_data
 from bayescli.data.shifts import rotate
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import accuracy, ece, entropy, nll, ood_metrics
 from bayescli.models.features import extract_features
 from bayescli.models.specs import load_classifier

@@ -33,7 +33,7 @@ from common import cpu_seconds, linear_head_problem, peak_rss_gib  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.errors import BayescliError  # noqa: E402
-from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.fitting.fit_source import FitSource  # noqa: E402
 from bayescli.models.specs import LoadedModel  # noqa: E402
 from bayescli.posterior.gaussian import augment  # noqa: E402
 from bayescli.posterior.vi import ggp_vi, glm_vi  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_seconds, linear_head_problem, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.fitting.fit_source import FitSource  # noqa: E402
 from bayescli.models.specs import LoadedModel  # noqa: E402
 from bayescli.posterior.vi import glm_vi  # noqa: E402
 

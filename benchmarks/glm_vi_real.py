@@ -49,7 +49,7 @@ from sklearn.model_selection import train_test_split
 
 from bayescli.data import ArrayData
 from bayescli.errors import LowAccuracyWarning
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import ece, nll
 from bayescli.models.features import Features, extract_features
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, build_network, last_linear_name

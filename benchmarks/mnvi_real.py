@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bayescli.data import load_data
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics import classification as metrics
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.vi.mnvi import MNVIConfig, fit

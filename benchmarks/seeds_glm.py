@@ -52,7 +52,7 @@ import glm_vi_real  # noqa: E402
 from bayescli.data import Data, load_data  # noqa: E402
 from bayescli.dirichlet import correct  # noqa: E402
 from bayescli.errors import LowAccuracyWarning  # noqa: E402
-from bayescli.methods.fit_source import FitSource  # noqa: E402
+from bayescli.fitting.fit_source import FitSource  # noqa: E402
 from bayescli.metrics.classification import accuracy, ece, mmc, nll, ood_metrics  # noqa: E402
 from bayescli.models.features import extract_features  # noqa: E402
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, last_linear_name  # noqa: E402

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
-from bayescli.methods.fit_source import FitSource  # noqa: E402
-from bayescli.methods.select import DEFAULT_METHODS, SelectOptions, select  # noqa: E402
+from bayescli.fitting.fit_source import FitSource  # noqa: E402
+from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions, select  # noqa: E402
 from bayescli.models.classifier import Classifier  # noqa: E402
 from bayescli.models.specs import LoadedModel, ModelSpec  # noqa: E402
 

@@ -101,10 +101,10 @@ def _value(v: object) -> str:
 
 
 def methods_page() -> str:
-    from bayescli.methods.registry import REGISTRY, create_settings
+    from bayescli.fitting.registry import REGISTRY, create_settings
 
     out = [
-        HEADER.format(source="bayescli/methods/registry.py"),
+        HEADER.format(source="bayescli/fitting/registry.py"),
         "# Methods and their settings\n",
         "Every method the registry holds (`bayescli.methods()`), what it fits, and each setting "
         "with its default (`bayescli.settings(NAME)`; on the command line `--set NAME=VALUE` or the "

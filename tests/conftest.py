@@ -26,8 +26,8 @@ from hypothesis import settings
 from bayescli import progress
 from bayescli.cli.app import main
 from bayescli.data import load_data
-from bayescli.methods.fitting import ModelOptions, fit_from_specs
-from bayescli.methods.laplace import LaplaceSettings
+from bayescli.fitting.laplace import LaplaceSettings
+from bayescli.fitting.pipeline import ModelOptions, fit_from_specs
 from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier
 
 # OMP_NUM_THREADS, when set, is honoured: the suite is checked under 1 and 2 threads.

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import bayescli
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
+from bayescli.fitting.registry import REGISTRY
 from bayescli.io import load_tensors
-from bayescli.methods.registry import REGISTRY
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior
 

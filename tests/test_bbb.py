@@ -13,7 +13,7 @@ from vi_oracles import glm_elbo, last_layer_design, maximise_elbo
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.posterior.base import load_posterior
 from bayescli.posterior.vi.bbb import (

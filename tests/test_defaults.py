@@ -108,7 +108,7 @@ def test_val_split_carves_a_seeded_disjoint_validation_set(cli, digits_ckpt, tmp
     assert post.meta["validation_data"]["val_split"] == 0.25 and post.meta["data"]["val_split"] == 0.25
     assert json.loads(res.out)["validation"] == "digits:test"
     # the carve partitions the rows, seeded
-    from bayescli.methods.fitting import carve_validation
+    from bayescli.fitting.pipeline import carve_validation
 
     data = load_data("digits:test")
     fit, val = carve_validation(data, 0.25, 0)

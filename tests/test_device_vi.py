@@ -26,7 +26,7 @@ from tolerance import assert_close
 
 import bayescli
 from bayescli.data import load_data
-from bayescli.methods.fitting import ModelOptions
+from bayescli.fitting.pipeline import ModelOptions
 from bayescli.models.features import extract_features
 from bayescli.posterior.base import load_posterior
 from bayescli.training.classifier import TrainConfig, save_checkpoint, train_classifier

@@ -21,7 +21,7 @@ from bayescli.dirichlet import (
     log_density,
 )
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.features import extract_features
 from bayescli.models.specs import Classifier, ModelSpec, build_network, last_linear_name, load_classifier
 from bayescli.options import Subset

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import bayescli
-from bayescli.methods.registry import methods as registry_methods
+from bayescli.fitting.registry import methods as registry_methods
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

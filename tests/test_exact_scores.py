@@ -15,11 +15,11 @@ from scipy.special import logsumexp
 
 import bayescli
 from bayescli.data import load_data
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.laplace import LaplaceSettings
+from bayescli.fitting.pipeline import ModelOptions, fit_from_specs
+from bayescli.fitting.select import score_probs
 from bayescli.io import load_tensors, save_tensors
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.fitting import ModelOptions, fit_from_specs
-from bayescli.methods.laplace import LaplaceSettings
-from bayescli.methods.select import score_probs
 from bayescli.metrics.classification import (
     classification_summary,
     map_log_probabilities,

@@ -14,7 +14,7 @@ from torch import nn
 from vi_oracles import last_layer_design, maximise_elbo
 
 from bayescli.data import ArrayData
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.classifier import Classifier
 from bayescli.models.specs import LoadedModel, ModelSpec
 from bayescli.posterior.vi import budget, dirichlet_fvi, fsvi, mnvi

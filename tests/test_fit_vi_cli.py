@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bayescli.errors import BayescliError
+from bayescli.fitting.registry import parse_setting
 from bayescli.io import load_tensors
-from bayescli.methods.registry import parse_setting
 from bayescli.posterior.base import load_posterior
 
 FITS = {

@@ -17,7 +17,7 @@ from torch.func import functional_call, jacrev
 
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier, load_classifier, mlp
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior

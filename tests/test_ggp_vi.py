@@ -17,7 +17,7 @@ from torch import nn
 from vi_oracles import gp_vi_optimum, last_layer_design, maximise_elbo, network_jacobian_autograd
 
 from bayescli.data import ArrayData, load_data
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import accuracy, nll
 from bayescli.models.features import extract_features
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec

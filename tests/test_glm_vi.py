@@ -22,7 +22,7 @@ from vi_oracles import (
 
 from bayescli.data import ArrayData
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior

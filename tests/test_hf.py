@@ -482,6 +482,6 @@ def test_bayescli_hf_imports_without_transformers(monkeypatch):
     original = sys.modules["bayescli.models.hf"]
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "bayescli.models.hf")
-    monkeypatch.setattr(bayescli, "hf", original)  # the re-import rebinds it; restored afterwards
+    monkeypatch.setattr(bayescli.models, "hf", original)  # the re-import rebinds it; restored afterwards
     fresh = importlib.import_module("bayescli.models.hf")
     assert fresh is not original and callable(fresh.build_hf_network)

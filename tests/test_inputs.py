@@ -17,7 +17,7 @@ from bayescli import progress
 from bayescli.cli.common import floats
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.methods.registry import parse_setting
+from bayescli.fitting.registry import parse_setting
 from bayescli.models.preprocess import Preprocess, PreprocessOverrides
 from bayescli.numbers import parse_number, parse_numbers
 

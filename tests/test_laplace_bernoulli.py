@@ -14,8 +14,8 @@ from tolerance import assert_below, assert_close
 
 from bayescli import api
 from bayescli.errors import BayescliError
+from bayescli.fitting.pipeline import ModelOptions
 from bayescli.io import load_tensors, save_tensors
-from bayescli.methods.fitting import ModelOptions
 from bayescli.metrics.multilabel import per_label_nll
 from bayescli.models.features import Features, extract_features
 from bayescli.posterior import LaplacePosterior

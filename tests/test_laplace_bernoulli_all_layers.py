@@ -15,8 +15,8 @@ from tolerance import assert_below, assert_close
 
 from bayescli import api
 from bayescli.data.base import ArrayData
+from bayescli.fitting.pipeline import ModelOptions
 from bayescli.io import load_tensors
-from bayescli.methods.fitting import ModelOptions
 from bayescli.models.classifier import Classifier
 from bayescli.models.features import Features
 from bayescli.posterior import LaplacePosterior

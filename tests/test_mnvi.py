@@ -16,8 +16,8 @@ from torch import nn
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
+from bayescli.fitting.fit_source import FitSource
 from bayescli.io import load_tensors
-from bayescli.methods.fit_source import FitSource
 from bayescli.models.specs import ModelSpec, build_network, load_classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import load_posterior

@@ -229,7 +229,7 @@ def test_log_marglik_equals_dense_oracle_at_several_deltas(fitted, structure):
 
 
 def test_val_nll_picks_the_grid_value_with_lowest_dense_oracle_nll(fitted):
-    from bayescli.methods.laplace import LaplaceSettings, select_prior
+    from bayescli.fitting.laplace import LaplaceSettings, select_prior
     from bayescli.models.features import Features
 
     phi, head, labels = fitted

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bayescli.errors import BayescliError
+from bayescli.fitting.registry import REGISTRY, MethodEntry
 from bayescli.io import load_tensors, save_tensors
-from bayescli.methods.registry import REGISTRY, MethodEntry
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior, load_posterior
 from bayescli.posterior.gaussian import LogitGaussian

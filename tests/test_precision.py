@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bayescli.data import load_data
+from bayescli.fitting.laplace import LaplaceSettings
+from bayescli.fitting.pipeline import ModelOptions, fit_from_specs
 from bayescli.io import load_tensors
-from bayescli.methods.fitting import ModelOptions, fit_from_specs
-from bayescli.methods.laplace import LaplaceSettings
 from bayescli.models.features import FeatureStream, extract_features
 from bayescli.options import Link, Predictive
 from bayescli.predictive.glm import predict

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.select import SelectOptions, select
 from bayescli.io import load_tensors
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.select import SelectOptions, select
 from bayescli.metrics.classification import nll
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior

@@ -12,7 +12,7 @@ import torch
 from tolerance import assert_below
 
 from bayescli.data import load_data
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import nll
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.vi.dirichlet_fvi import PRINCIPLED_RULE, DirichletFVIConfig, fit, principled_tau

@@ -14,7 +14,7 @@ import torch
 from tolerance import assert_below, assert_close
 
 from bayescli.data import load_data
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import nll
 from bayescli.models.specs import load_classifier
 from bayescli.options import Subset

@@ -28,7 +28,7 @@ from torch import nn
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import nll
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec, load_classifier
 from bayescli.posterior.base import load_posterior

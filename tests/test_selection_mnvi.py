@@ -10,7 +10,7 @@ import torch
 
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.selection import scores
 from bayescli.posterior.vi.mnvi import PREDICTIVE_SAMPLES, MNVIConfig, fit

@@ -18,12 +18,12 @@ from conftest import random_head
 from tolerance import assert_close
 
 from bayescli.data import load_data
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.laplace import LaplaceSettings
+from bayescli.fitting.laplace import fit as fit_laplace_method
+from bayescli.fitting.pipeline import fit_posterior
+from bayescli.fitting.select import SelectOptions, select
 from bayescli.io import load_tensors, save_tensors
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.fitting import fit_posterior
-from bayescli.methods.laplace import LaplaceSettings
-from bayescli.methods.laplace import fit as fit_laplace_method
-from bayescli.methods.select import SelectOptions, select
 from bayescli.models.specs import load_classifier
 from bayescli.options import Criterion
 from bayescli.posterior import LaplacePosterior

@@ -23,9 +23,9 @@ from vi_oracles import expected_log_bernoulli, last_layer_design, maximise_elbo
 from bayescli import api
 from bayescli.data import ArrayData, load_data
 from bayescli.errors import BayescliError
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.pipeline import ModelOptions
 from bayescli.io import load_tensors, save_tensors
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.fitting import ModelOptions
 from bayescli.metrics.multilabel import per_label_nll
 from bayescli.models.features import extract_features
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec

@@ -288,8 +288,8 @@ def underconfident_ckpt(digits_ckpt, tmp_path_factory) -> Path:
 
 
 def _laplace_selection(ckpt: Path) -> dict:
-    from bayescli.methods.fitting import ModelOptions, fit_from_specs
-    from bayescli.methods.laplace import LaplaceSettings
+    from bayescli.fitting.laplace import LaplaceSettings
+    from bayescli.fitting.pipeline import ModelOptions, fit_from_specs
 
     model = ModelOptions("builtin:small-cnn", ckpt)
     run = fit_from_specs(

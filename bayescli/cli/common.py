@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the library is imported inside the functions: `--help` must
     import torch
 
     from bayescli.data import Data
-    from bayescli.methods.fitting import DataOptions, ModelOptions
+    from bayescli.fitting.pipeline import DataOptions, ModelOptions
     from bayescli.models.preprocess import Preprocess
     from bayescli.models.specs import LoadedModel
     from bayescli.posterior.base import Posterior
@@ -280,7 +280,7 @@ def data_options(
     skip_unreadable: bool = False,
 ) -> DataOptions:
     """The data option group (``--data-root``, ``--download``, ``--limit``, …) as one object."""
-    from bayescli.methods.fitting import DataOptions
+    from bayescli.fitting.pipeline import DataOptions
 
     return DataOptions(data_root, download, limit, seed, num_workers, skip_unreadable)
 
@@ -299,7 +299,7 @@ def model_options(
 ) -> ModelOptions:
     """The model option group (``--model``, ``--checkpoint``, ``--head``, …) as one object
     (``precision`` ``None``: fp32, a fit's default)."""
-    from bayescli.methods.fitting import ModelOptions
+    from bayescli.fitting.pipeline import ModelOptions
 
     return ModelOptions(
         model,
@@ -392,7 +392,7 @@ def number(option: str, lo: float | None = None, hi: float | None = None) -> Cal
 
 def check_labels(data: Data, num_classes: int, likelihood: str = "categorical") -> None:
     """Raise if ``data``'s labels do not fit a ``num_classes``-way classifier of ``likelihood``."""
-    from bayescli.methods.fitting import check_labels as check
+    from bayescli.fitting.pipeline import check_labels as check
 
     check(data, num_classes, likelihood)
 

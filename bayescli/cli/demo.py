@@ -33,9 +33,9 @@ def demo(
     from bayescli.evaluation.methods import parse_methods
     from bayescli.evaluation.report import write_report
     from bayescli.evaluation.runner import run_evaluation
+    from bayescli.fitting.fit_source import FitSource
+    from bayescli.fitting.pipeline import DataOptions, fit_posterior
     from bayescli.io import write_json
-    from bayescli.methods.fit_source import FitSource
-    from bayescli.methods.fitting import DataOptions, fit_posterior
     from bayescli.metrics.classification import classification_summary
     from bayescli.models.features import extract_features
     from bayescli.models.specs import load_classifier

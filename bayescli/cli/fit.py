@@ -86,8 +86,8 @@ def fit_laplace_cmd(
     Example: bayescli fit-laplace --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --val-data digits:val --hessian kron --out posterior.safetensors
     """
-    from bayescli.methods.fitting import fit_from_specs
-    from bayescli.methods.laplace import LaplaceSettings
+    from bayescli.fitting.laplace import LaplaceSettings
+    from bayescli.fitting.pipeline import fit_from_specs
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":

@@ -10,7 +10,7 @@ from bayescli.cli import common as c
 from bayescli.options import Criterion
 
 if TYPE_CHECKING:
-    from bayescli.methods.fitting import FitRun
+    from bayescli.fitting.pipeline import FitRun
 
 __all__ = ["Criterion", "SelectBy", "ValData", "ValSplit", "show_fit"]
 
@@ -40,7 +40,7 @@ SelectBy = Annotated[
 def show_fit(run: FitRun, seen: list, summary: dict, title: str, quiet: bool, as_json: bool) -> None:
     """Print a fit's summary table (or JSON) with its validation facts, and its warnings: low MAP
     accuracy on the fitting data, the selection's own warning, nothing validated."""
-    from bayescli.methods.fitting import NOT_VALIDATED
+    from bayescli.fitting.pipeline import NOT_VALIDATED
 
     post = run.posterior
     summary = {**summary, **run.facts()}

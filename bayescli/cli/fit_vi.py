@@ -1,7 +1,7 @@
 """``bayescli fit-vi``: fit a variational posterior (MNVI, FSVI, Dirichlet fVI, GLM/GGP VI, BBB) post hoc.
 
-A thin layer over :func:`bayescli.methods.fitting.fit_from_specs`: each method is a registry entry
-(:mod:`bayescli.methods.registry`) whose settings dataclass the options fill. Method options map one-to-one
+A thin layer over :func:`bayescli.fitting.pipeline.fit_from_specs`: each method is a registry entry
+(:mod:`bayescli.fitting.registry`) whose settings dataclass the options fill. Method options map one-to-one
 onto the settings' fields (``--kl-weight`` → ``kl_weight``); ``--set NAME=VALUE`` reaches any
 field. An option that the chosen method has no field for is a usage error.
 """
@@ -22,7 +22,7 @@ def vi_settings(method: VIMethod, options: dict[str, Any], items: list[str]) -> 
     """``method``'s settings from the given (non-``None``) options and ``--set NAME=VALUE`` items;
     an option the method has no field for is a usage error naming its options."""
     from bayescli.cli.train import parse_settings
-    from bayescli.methods.registry import create_settings, parse_setting, setting_fields
+    from bayescli.fitting.registry import create_settings, parse_setting, setting_fields
 
     fields = setting_fields(method.value)
     given = {k: v for k, v in options.items() if v is not None}
@@ -162,7 +162,7 @@ def fit_vi_cmd(
     Example: bayescli fit-vi --method mnvi --model builtin:small-cnn --checkpoint model.safetensors
     --data digits:train --val-data digits:val --out mnvi.safetensors
     """
-    from bayescli.methods.fitting import fit_from_specs
+    from bayescli.fitting.pipeline import fit_from_specs
 
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":

@@ -76,9 +76,9 @@ def select_cmd(
     """
     from bayescli.data.shifts import SYNTHETIC_OOD, synthetic_ood
     from bayescli.errors import BayescliError
-    from bayescli.methods.fit_source import FitSource
-    from bayescli.methods.fitting import check_labels, resolve_validation
-    from bayescli.methods.select import DEFAULT_METHODS, SelectOptions, select
+    from bayescli.fitting.fit_source import FitSource
+    from bayescli.fitting.pipeline import check_labels, resolve_validation
+    from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions, select
 
     c.setup(quiet, as_json, seed)
     if select_by not in SELECT_CRITERIA:

@@ -122,8 +122,8 @@ def train(
         cfg = TrainConfig(**given, weight_decay=weight_decay, seed=seed)
         clf, meta = train_classifier(model, train_data, val_data, cfg, dev, likelihood)
     else:
-        from bayescli.methods.fitting import load_setting_data
-        from bayescli.methods.registry import create_settings, parse_setting, train_function
+        from bayescli.fitting.pipeline import load_setting_data
+        from bayescli.fitting.registry import create_settings, parse_setting, train_function
 
         typed = {k: parse_setting(method, k, v) for k, v in parse_settings(setting or []).items()}
         vi_settings = create_settings(method, seed=seed, **given, **typed)
@@ -132,7 +132,7 @@ def train(
     save_checkpoint(out, clf.cpu(), meta)
     summary: dict = {"method": method, "likelihood": likelihood}
     if post is not None:
-        from bayescli.methods.fitting import record_provenance
+        from bayescli.fitting.pipeline import record_provenance
         from bayescli.models.specs import load_classifier
 
         post_path = posterior_out or out.with_name(f"{out.stem}-{method}.safetensors")

@@ -15,7 +15,6 @@ from typing import TypeVar
 
 import torch
 
-from bayescli import parallel
 from bayescli.data import Data
 from bayescli.data.corruptions import parse_corruptions, parse_severities
 from bayescli.data.shifts import parse_angles
@@ -122,10 +121,10 @@ def _parsed(value: str | Sequence | None, parse: Callable[[str], list]) -> list:
 
 
 def _device(device: str | torch.device) -> torch.device:
-    """``auto``/``cpu``/``cuda[:N]`` → this process's device (joining torchrun's process group)."""
-    dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
-    parallel.init(dev)
-    return parallel.device_for(dev)
+    """A resolved device passes through (the CLI resolved it, joining torchrun's process group,
+    once); ``auto``/``cpu``/``cuda[:N]`` text is resolved here. Joining a process group is
+    :func:`bayescli.distributed.init`'s business alone: call it first under torchrun."""
+    return torch.device(device) if isinstance(device, torch.device) else resolve_device(device)
 
 
 def check_gate_paths(fail_if: Sequence[str], cfg: EvalConfig, tags: Sequence[str]) -> list[Gate]:

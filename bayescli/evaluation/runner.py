@@ -240,7 +240,7 @@ def degenerate_posteriors(
 ) -> list[str]:
     """One warning per Dirichlet (bridge) method whose mean ``α₀`` explodes or whose mean mutual
     information vanishes on the test set: a posterior with logit variances ≈ 0 (see
-    :func:`~bayescli.metrics.near_zero_variance_warning`)."""
+    :func:`~bayescli.metrics.classification.near_zero_variance_warning`)."""
     lines = []
     for m in methods:
         scores = outs[m.name].scores

@@ -16,12 +16,12 @@ Protocol (the multi-label counterpart of :mod:`bayescli.metrics.classification`)
   where the link has them (MAP's logits, the ``none`` and ``probit`` links' scaled means), as
   ``log σ(s)`` and ``log σ(−s)`` in float64, exact at any margin; else from ``p(1) = p``,
   ``p(0) = 1 − p`` in float64, a 0 counting as the smallest positive float64 (as
-  :func:`bayescli.metrics.log_probabilities`); per-label Brier is
+  :func:`bayescli.metrics.classification.log_probabilities`); per-label Brier is
   ``mean_n (p_nk − y_nk)²`` (range [0, 1]);
 * per-label ECE is the binary reliability error of the *positive-value* probability: 15
   equal-width bins of ``p_k``, right-closed ``(lo, hi]`` with 0 in the first bin,
   ``ECE_k = Σ_b (n_b/N) |mean_b(y_k) − mean_b(p_k)|`` (the per-class term of
-  :func:`bayescli.metrics.classwise_ece`, not a top-label ECE of ``max(p, 1 − p)``);
+  :func:`bayescli.metrics.classification.classwise_ece`, not a top-label ECE of ``max(p, 1 − p)``);
 * the summary's ``nll``, ``brier`` and ``ece`` are the means of the per-label values over all
   ``K`` labels; entropies are in nats.
 
@@ -29,7 +29,7 @@ Every metric runs on the device of ``probs`` (labels are moved there); only scal
 lists come back to the host.
 
 OOD scores (:func:`ood_scores`) are oriented like :mod:`bayescli.evaluation.detectors`:
-**higher means in-distribution**, the convention :func:`bayescli.metrics.ood_metrics` expects
+**higher means in-distribution**, the convention :func:`bayescli.metrics.classification.ood_metrics` expects
 (in-distribution is its positive class), so ``ood_metrics(score_in, score_out)["auroc"]`` is the
 probability that an in-distribution input outscores an OOD one.
 """
@@ -246,7 +246,7 @@ def selective(
     ``c`` (keys ``subset_accuracy_at_50``, ``hamming_loss_at_50``, ...), and the areas under the
     risk–coverage curves ``aurc_hamming = (1/N) Σ_m hamming(m)`` and
     ``aurc_subset = (1/N) Σ_m (1 − subset_accuracy(m))`` (lower is better), as
-    :func:`bayescli.metrics.selective` for single-label outputs."""
+    :func:`bayescli.metrics.classification.selective` for single-label outputs."""
     check_multilabel(probs, y)
     curve = selective_curve(probs, y, confidence, threshold)
     n = len(probs)
@@ -288,7 +288,7 @@ def ood_scores(
     probs: torch.Tensor, logits: torch.Tensor | None = None, mutual_info: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Every multi-label OOD score ``[N]`` (float64), each oriented **higher = in-distribution**
-    so that :func:`bayescli.metrics.ood_metrics` takes it as is:
+    so that :func:`bayescli.metrics.classification.ood_metrics` takes it as is:
 
     * ``max_sigmoid``: ``max_k p_k``;
     * ``neg_total_entropy``: ``−Σ_k H(p_k)``;

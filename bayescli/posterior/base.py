@@ -10,7 +10,7 @@ A posterior turns what the backbone produced into the currency of DESIGN §1, a
 
 Every posterior is written to one file format — safetensors plus JSON metadata — whose
 ``method`` entry names the class that reads it back. :func:`load_posterior` dispatches on it
-through the method registry (:mod:`bayescli.methods.registry`, ``module:Class`` strings, so start-up
+through the method registry (:mod:`bayescli.fitting.registry`, ``module:Class`` strings, so start-up
 stays light); adding a method is one entry there.
 """
 
@@ -267,7 +267,7 @@ class Posterior(ABC):
 
 def posterior_class(method: str) -> type[Posterior]:
     """The class registered for ``method`` (imported on first use)."""
-    from bayescli.methods.registry import posterior_class_name
+    from bayescli.fitting.registry import posterior_class_name
 
     module, _, name = posterior_class_name(method).partition(":")
     return getattr(importlib.import_module(module), name)

@@ -413,7 +413,7 @@ def fit_laplace(
     Last layer: pass ``phi [N, D]`` (and ``labels``), or ``features``, an iterable of
     ``(phi [B, D], labels [B])`` batches that is consumed once without being held (memory: one
     batch plus the curvature factors). All layers: pass pixel-space ``batches`` (consumed once).
-    Choosing δ on validation data needs a predictive and lives in :mod:`bayescli.methods.laplace`.
+    Choosing δ on validation data needs a predictive and lives in :mod:`bayescli.fitting.laplace`.
 
     ``refine_steps > 0`` (last layer only) first moves the mode to the optimum of the convex
     linearised objective (:mod:`bayescli.posterior.refine`) with the prior precision chosen at

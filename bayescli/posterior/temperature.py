@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import map_log_probabilities
 from bayescli.options import Criterion, Subset
 from bayescli.posterior.base import Posterior

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bayescli.data import ArrayData
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier, LoadedModel, ModelSpec
 from bayescli.options import TrainConfig
 from bayescli.posterior.base import Posterior

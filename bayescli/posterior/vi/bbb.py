@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from bayescli import devices
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior

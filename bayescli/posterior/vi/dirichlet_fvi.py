@@ -63,7 +63,7 @@ from bayescli.data import Data
 from bayescli.data.shifts import SYNTHETIC_OOD, parse_angles, rotate, synthetic_ood
 from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.features import Features
 from bayescli.options import Subset
 from bayescli.posterior.selection import Scored, log_grid, select_on_grid, unvalidated

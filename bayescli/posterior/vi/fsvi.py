@@ -48,7 +48,7 @@ from torch import nn
 from bayescli.data import ArrayData, Data
 from bayescli.devices import generator
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.specs import Classifier
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import map_probabilities
 from bayescli.models.specs import Classifier
 from bayescli.options import Subset

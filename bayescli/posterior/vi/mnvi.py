@@ -54,7 +54,7 @@ from torch import nn
 from bayescli.data import Data
 from bayescli.devices import generator
 from bayescli.errors import require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.metrics.classification import map_probabilities
 from bayescli.models.specs import Classifier
 from bayescli.options import Subset

@@ -4,7 +4,7 @@ Every method obeys one contract:
 
 * a **settings** dataclass — typed fields with defaults, validated in ``__post_init__`` with
   messages that name the settings (never a CLI flag);
-* ``fit(source, settings) → Posterior`` with ``source`` a :class:`~bayescli.methods.fit_source.FitSource`
+* ``fit(source, settings) → Posterior`` with ``source`` a :class:`~bayescli.fitting.fit_source.FitSource`
   (model, fitting data, validation data, device; features computed once);
 * the :class:`~bayescli.posterior.base.Posterior` class that reads its files back;
 * optionally ``train(model_spec, train, val, settings, device) → (classifier, checkpoint
@@ -63,7 +63,7 @@ def _entry(name: str, summary: str, module: str, settings: str, posterior: str, 
     )
 
 
-_LAPLACE = "bayescli.methods.laplace"
+_LAPLACE = "bayescli.fitting.laplace"
 _SOFTMAX_AND_MULTILABEL = ("categorical", "bernoulli")
 _VI = "bayescli.posterior.vi"
 _TRAINING = "bayescli.training"

@@ -1,6 +1,6 @@
 """``bayescli select``: which posterior should I use for this model?
 
-One :class:`~bayescli.methods.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
+One :class:`~bayescli.fitting.fit_source.FitSource` holds the fitting, validation and OOD sets; each set's
 backbone features are computed once and shared by every method. Each method is fitted with its
 defaults, so its key hyperparameter is chosen on the validation set (:mod:`bayescli.posterior.selection`)
 by the same ``criterion`` the methods are ranked by (NLL when ranking by AUROC, which no method tunes
@@ -24,10 +24,10 @@ import torch
 from bayescli._version import __version__
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.pipeline import DataOptions, fit_posterior
+from bayescli.fitting.registry import method_entry, setting_fields
 from bayescli.io import write_json
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.fitting import DataOptions, fit_posterior
-from bayescli.methods.registry import method_entry, setting_fields
 from bayescli.metrics.classification import (
     accuracy,
     brier,

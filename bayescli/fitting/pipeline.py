@@ -2,7 +2,7 @@
 
 ``fit-laplace``, ``fit-vi``, ``train --method``, ``demo``, ``select``, the Python API, the tests'
 fixtures and the benchmarks all fit through :func:`fit_posterior` (an in-memory
-:class:`~bayescli.methods.fit_source.FitSource`) or :func:`fit_from_specs` (specs and files, sharded under
+:class:`~bayescli.fitting.fit_source.FitSource`) or :func:`fit_from_specs` (specs and files, sharded under
 ``torchrun``, written atomically). Held-out data comes from, in order: an explicit validation
 spec; ``val_split`` (a seeded fraction carved from fitting data the net never saw); the validation
 split a ``bayescli train`` checkpoint records, when disjoint from the fitting data. Without any,
@@ -23,8 +23,8 @@ import torch
 from bayescli import parallel
 from bayescli.data import Data, load_data, validation_spec
 from bayescli.errors import LowAccuracyWarning, require
-from bayescli.methods.fit_source import FitSource
-from bayescli.methods.registry import create_settings, fit_function, method_entry
+from bayescli.fitting.fit_source import FitSource
+from bayescli.fitting.registry import create_settings, fit_function, method_entry
 from bayescli.metrics.classification import low_accuracy_warning
 from bayescli.models.features import check_precision, parse_precision, require_last_layer_precision
 from bayescli.models.preprocess import Preprocess

@@ -1,6 +1,6 @@
 """What every method's ``fit`` receives: the model, its data, where to compute, and features once.
 
-The method contract (:mod:`bayescli.posterior.registry`) is ``fit(source, settings) → Posterior``
+The method contract (:mod:`bayescli.fitting.registry`) is ``fit(source, settings) → Posterior``
 for Laplace and every VI method alike. :class:`FitSource` bundles the loaded classifier, the
 fitting data and optional validation data (pixel space, already preprocessed for this model),
 the device and batch size, and computes each set's backbone features at most once: several

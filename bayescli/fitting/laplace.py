@@ -31,7 +31,7 @@ import torch
 
 from bayescli.data import Data
 from bayescli.errors import BayescliError, require
-from bayescli.methods.fit_source import FitSource
+from bayescli.fitting.fit_source import FitSource
 from bayescli.models.features import Features
 from bayescli.models.specs import Classifier
 from bayescli.options import Backend, CurvatureType, HessianStructure, Link, Predictive, Subset
