@@ -84,3 +84,24 @@ def test_ignore_index_none_counts_every_pixel():
     assert data.valid_count() == 3
     with pytest.raises(BayescliError, match="class -1"):
         SegmentationData(torch.zeros(1, 1, 2, 2), -mask.clamp_max(1), ["a", "b"], ignore_index=255)
+
+
+def test_composed_scenes_load_with_their_anomaly_masks(tmp_path):
+    """The files bayescli.data.scenes writes (digits and a pasted anomaly) read back as they were."""
+    from sklearn.datasets import load_digits
+
+    from bayescli.data.scenes import compose_scenes, save_scenes
+
+    d = load_digits()
+    images = torch.tensor(d.images[:40], dtype=torch.float32) / 16
+    scenes = compose_scenes(
+        images, torch.tensor(d.target[:40]), 6, seed=0, canvas=(24, 24), anomalies=1 - images[:5]
+    )
+    save_scenes(scenes, tmp_path / "scenes.npz")
+    data = segmentation_npz(tmp_path / "scenes.npz")
+    assert data.class_names == ["background", *[str(i) for i in range(10)]]
+    assert torch.equal(data.mask, scenes.mask.long()) and torch.equal(data.anomaly, scenes.anomaly)
+    assert bool((data.mask[data.anomaly.bool()] == 255).all())  # anomalies are void for the classes
+    assert torch.equal(data.subset([5, 1]).anomaly, scenes.anomaly[[5, 1]])
+    with pytest.raises(BayescliError, match="'anomaly' must hold 0"):
+        SegmentationData(data.x, data.mask, data.class_names, anomaly=data.anomaly * 2)

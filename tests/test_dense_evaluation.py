@@ -28,8 +28,8 @@ def test_evaluate_dense_streams_what_one_pass_computes():
     expected = {"none": logits.softmax(1), "probit": dense_predict(post, carried, "probit").probs}
     for link, probs in expected.items():
         ref = SegmentationMetrics(K)
-        ref.update(probs, mask)
-        want, got = ref.result(), report[link]
+        ref.update(mask, probs=probs)
+        want, got = ref.compute(), report[link]
         assert got["pixels"] == want["pixels"] == 6 * 8 * 8
         for key in ("pixel_accuracy", "mean_iou", "brier", "ece"):
             assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, what=f"{link} {key}")

@@ -41,7 +41,9 @@ def check_mask(mask: torch.Tensor, num_classes: int, ignore_index: int | None, w
 
 class SegmentationData:
     """Images ``x [N, C, H, W]`` and masks ``[N, H, W]`` int64 (``None``: unlabelled), class names,
-    ``ignore_index`` and provenance ``info``."""
+    ``ignore_index``, provenance ``info`` and, for anomaly segmentation, ``anomaly [N, H, W]`` uint8
+    0/1 (1 on the pixels of an out-of-distribution object, as :func:`bayescli.data.scenes.save_scenes`
+    writes them; ``None`` otherwise)."""
 
     def __init__(
         self,
@@ -50,6 +52,7 @@ class SegmentationData:
         class_names: list[str],
         ignore_index: int | None = IGNORE_INDEX,
         info: dict | None = None,
+        anomaly: torch.Tensor | None = None,
     ) -> None:
         where = str((info or {}).get("source", "data"))
         require(x.dim() == 4, f"{where}: images must be [N, C, H, W], got {list(x.shape)}")
@@ -65,8 +68,19 @@ class SegmentationData:
             )
             mask = mask.long()
             check_mask(mask, len(class_names), ignore_index, where)
+        if anomaly is not None:
+            require(
+                tuple(anomaly.shape) == (x.shape[0], *x.shape[2:]),
+                f"{where}: 'anomaly' must be [N, H, W] = {[x.shape[0], *x.shape[2:]]}, "
+                f"got {list(anomaly.shape)}",
+            )
+            require(
+                bool(((anomaly == 0) | (anomaly == 1)).all()),
+                f"{where}: 'anomaly' must hold 0 (normal) or 1 (anomalous) per pixel",
+            )
+            anomaly = anomaly.to(torch.uint8)
         self.x, self.mask, self.class_names = x, mask, list(class_names)
-        self.ignore_index, self.info = ignore_index, dict(info or {})
+        self.ignore_index, self.info, self.anomaly = ignore_index, dict(info or {}), anomaly
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -92,7 +106,8 @@ class SegmentationData:
         """The rows ``index`` as a new set (same class names, ignore index and provenance)."""
         rows = torch.arange(len(self))[index] if isinstance(index, slice) else torch.as_tensor(index)
         mask = None if self.mask is None else self.mask[rows]
-        return SegmentationData(self.x[rows], mask, self.class_names, self.ignore_index, self.info)
+        anomaly = None if self.anomaly is None else self.anomaly[rows]
+        return SegmentationData(self.x[rows], mask, self.class_names, self.ignore_index, self.info, anomaly)
 
     def valid_count(self) -> int:
         """The number of pixels that count (every pixel of unlabelled data)."""
@@ -103,8 +118,9 @@ class SegmentationData:
 
 def segmentation_npz(path: Path, ignore_index: int | None = IGNORE_INDEX) -> SegmentationData:
     """Arrays ``x`` (``[N, H, W]`` grey or ``[N, C, H, W]``; uint8 pixels or floats in [0, 1]), ``mask``
-    (``[N, H, W]`` integer class indices, ``ignore_index`` for void pixels; optional) and optional
-    ``class_names`` (else ``0 … max class``)."""
+    (``[N, H, W]`` integer class indices, ``ignore_index`` for void pixels; optional), optional
+    ``class_names`` (else ``0 … max class``) and optional ``anomaly`` (``[N, H, W]`` 0/1): the files
+    :func:`bayescli.data.scenes.save_scenes` writes, among others."""
     if not path.is_file():
         raise BayescliError(f"npz file not found: {path}")
     try:
@@ -112,6 +128,7 @@ def segmentation_npz(path: Path, ignore_index: int | None = IGNORE_INDEX) -> Seg
             if "x" not in f.files:
                 raise BayescliError(f"{path} has no array 'x' (found: {', '.join(f.files) or 'none'})")
             x_np, m_np = f["x"], (f["mask"] if "mask" in f.files else None)
+            a_np = f["anomaly"] if "anomaly" in f.files else None
             names = [str(s) for s in f["class_names"]] if "class_names" in f.files else None
     except (ValueError, OSError) as exc:
         raise BayescliError(f"cannot read {path} as .npz ({exc}); save with numpy.savez") from None
@@ -135,4 +152,5 @@ def segmentation_npz(path: Path, ignore_index: int | None = IGNORE_INDEX) -> Seg
         valid = None if mask is None else mask[valid_pixels(mask, ignore_index)]
         k = int(valid.max()) + 1 if valid is not None and valid.numel() else 0
         names = [str(i) for i in range(k)]
-    return SegmentationData(x, mask, names, ignore_index, {"source": str(path)})
+    anomaly = None if a_np is None else torch.from_numpy(np.ascontiguousarray(a_np))
+    return SegmentationData(x, mask, names, ignore_index, {"source": str(path)}, anomaly)

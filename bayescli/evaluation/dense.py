@@ -32,7 +32,7 @@ def evaluate_dense(
     samples: int = 100,
     seed: int = 0,
 ) -> dict:
-    """Per-pixel metrics (:meth:`SegmentationMetrics.result`) for each link, keyed by the link's name,
+    """Per-pixel metrics (:meth:`SegmentationMetrics.compute`) for each link, keyed by the link's name,
     over pixel-space ``(x [B, ...], mask [B, H, W])`` batches; ``seconds`` is the wall time. The MC
     link draws ``samples`` per pixel from one generator seeded ``seed`` for the whole stream."""
     start = time.perf_counter()
@@ -47,7 +47,7 @@ def evaluate_dense(
             pred = dense_predict(
                 posterior, carried, link, samples=samples, generator=gen, projected=project is not None
             )
-            metrics[link].update(pred.probs, mask, pred.log_probs)
-    report = {link.value: m.result() for link, m in metrics.items()}
+            metrics[link].update(mask, log_probs=pred.log_probs, probs=pred.probs)
+    report = {link.value: m.compute() for link, m in metrics.items()}
     report["seconds"] = time.perf_counter() - start
     return report
