@@ -51,3 +51,29 @@ def test_dense_fit_and_predict_on_the_device_equal_cpu_and_read_nothing_per_batc
     assert_close(probs, cpu_pred.probs, atol=1e-7, what="device probit probabilities")
     assert reads[1] > 0  # the counter sees this code (the split check reads a few scalars)
     assert reads[4] == reads[1], f"host reads {reads}: 2 vs 8 batches\n{stats.report()}"
+
+
+def test_dense_evaluation_on_the_device_equals_cpu_and_reads_nothing_per_batch():
+    """evaluate_dense with a kron posterior (the projected predictive) and MAP, probit and bridge."""
+    from bayescli.evaluation.dense import evaluate_dense
+
+    net, x, mask = _setup()
+    links = ("none", "probit", "bridge")
+
+    def run(device: str, per_batch: int) -> dict:
+        clf = DenseClassifier(net).to(device)
+        post = fit_dense_laplace(clf, [(x, mask)], structure="kron", prior_precision=0.5)
+        batches = [(x[i : i + per_batch], mask[i : i + per_batch]) for i in range(0, len(x), per_batch)]
+        return evaluate_dense(post, clf, batches, links=links)
+
+    cpu = run("cpu", 1)
+    reads, reports = {}, {}
+    with emulated_cuda() as stats:
+        for per_batch in (4, 1):
+            stats.reset()
+            reports[per_batch] = run("cuda", per_batch)
+            reads[per_batch] = stats.host_reads
+    assert reads[4] == reads[1], f"host reads {reads}: 2 vs 8 batches\n{stats.report()}"
+    for link in links:
+        for key in ("pixel_accuracy", "mean_iou", "nll", "brier", "ece"):
+            assert_close(reports[1][link][key], cpu[link][key], rtol=1e-12, atol=1e-15, what=f"{link} {key}")
