@@ -272,3 +272,26 @@ def test_kron_predictive_projected_at_the_head_resolution_is_the_same(setup):
         dense_predict(diag, projected, projected=True)
     with pytest.raises(BayescliError, match=r"must be \[5, M\]"):
         clf.dense_features(x, proj[1:])
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_validation_nll_curve_and_choice(setup, structure):
+    """The one-pass curve equals refitting at each δ and averaging −log p(y) over the valid pixels."""
+    from bayescli.evaluation.dense import dense_nll_curve, select_dense_prior
+
+    clf, x, mask = setup
+    post = fit_dense_laplace(clf, [(x[:2], mask[:2])], structure=structure, prior_precision=DELTA)
+    val = [(x[i : i + 1], mask[i : i + 1]) for i in range(N)]
+    deltas = [0.01, 0.3, 10.0]
+    curve = dense_nll_curve(post, clf, val, deltas)
+    assert post.prior_precision == DELTA  # left as it was
+    valid = mask != 255
+    for delta, got in curve:
+        ref = fit_dense_laplace(clf, [(x[:2], mask[:2])], structure=structure, prior_precision=delta)
+        logp = dense_predict(ref, carry(clf, x), "probit").log_probs
+        nll = -logp.gather(1, torch.where(valid, mask, 0)[:, None]).squeeze(1)[valid].mean()
+        assert_close(got, nll, rtol=RTOL, what=f"validation NLL at δ={delta}")
+    assert max(v for _, v in curve) - min(v for _, v in curve) > 1e-3  # δ matters here
+    chosen = select_dense_prior(post, clf, val, deltas)
+    assert chosen == min(curve, key=lambda r: r[1])[0] == post.prior_precision
+    assert post.prior_record["method"] == "val-nll" and post.prior_record["curve"] == curve
