@@ -295,3 +295,13 @@ def test_validation_nll_curve_and_choice(setup, structure):
     chosen = select_dense_prior(post, clf, val, deltas)
     assert chosen == min(curve, key=lambda r: r[1])[0] == post.prior_precision
     assert post.prior_record["method"] == "val-nll" and post.prior_record["curve"] == curve
+
+
+def test_a_classification_posterior_is_refused_on_carried_features(setup):
+    from bayescli.posterior.laplace import LaplacePosterior
+
+    clf, x, _ = setup
+    head = torch.nn.Linear(D1 - 1, K).double()
+    post = LaplacePosterior.fit_last_layer(torch.randn(20, D1 - 1, dtype=torch.float64), None, head)
+    with pytest.raises(BayescliError, match="separate bias"):
+        dense_predict(post, carry(clf, x))

@@ -75,6 +75,12 @@ def _require_last_layer(posterior: Posterior) -> None:
         raise BayescliError(
             f"{posterior.label} covers the whole network; dense predictives need a last-layer posterior"
         )
+    if getattr(posterior, "head_bias", False):
+        # carried features hold the bias channel already: a head that appends its own would count it twice
+        raise BayescliError(
+            f"{posterior.label} was fitted on penultimate features with a separate bias, not on a "
+            "segmentation net's carried features; fit it with fit_dense_laplace"
+        )
 
 
 def dense_logit_gaussian(
