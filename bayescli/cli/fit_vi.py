@@ -30,9 +30,9 @@ SETTINGS_HELP = (
 
 
 class FitViCommand(TyperCommand):
-    """``fit-vi`` as the registry describes it when the command is built (each run): ``--help``
-    shows the entries of kind ``vi`` as ``--method``'s choices and ends with each one's settings
-    (the command checks the choice itself)."""
+    """``fit-vi`` as the registry describes it when the command is built (each run): ``--method``'s
+    help names the entries of kind ``vi`` (the command checks the choice), and ``--help`` ends with
+    each one's settings, as panels like the options' (plain sections without rich)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from bayescli.fitting.registry import methods
@@ -40,25 +40,23 @@ class FitViCommand(TyperCommand):
         super().__init__(*args, **kwargs)
         for param in self.params:
             if param.name == "method":
-                param.metavar = f"<{'|'.join(methods('vi'))}>"
+                param.help = f"Variational method: {', '.join(methods('vi'))} (settings below)."
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
         super().format_help(ctx, formatter)
         panels = settings_panels()
-        try:
-            from rich.panel import Panel
-            from rich.table import Table
-            from rich.text import Text
-            from typer import rich_utils
-        except ImportError:  # plain click help
-            for title, rows in panels:
+        if not (getattr(typer.core, "HAS_RICH", False) and self.rich_markup_mode is not None):
+            for title, rows in panels:  # click's plain help, as the options above
                 with formatter.section(title):
-                    formatter.write_dl(
-                        [(name, f"{kind}  [default: {default}]") for name, kind, default in rows]
-                    )
+                    formatter.write_dl([(name, f"{kind}  [default: {value}]") for name, kind, value in rows])
             formatter.write_paragraph()
             formatter.write_text(SETTINGS_HELP)
             return
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+        from typer import rich_utils
+
         console = rich_utils._get_rich_console()
         widths = [max(len(row[i]) for _, rows in panels for row in rows) for i in range(2)]
         for title, rows in panels:
@@ -174,18 +172,16 @@ InducingPointsOpt = Annotated[
 # deprecated option (its parameter name) → the setting it fills, where the names differ
 DEPRECATED_SETTING = {"train_batch_size": "batch_size"}
 DEPRECATED_FIELD = {v: k for k, v in DEPRECATED_SETTING.items()}
-# the command's own options that fill settings, where the method's settings have the field
-SHARED = ("subset", "select", "select_by", "seed")
 
 
-def deprecated_settings(ctx: typer.Context, params: dict[str, Any]) -> dict[str, Any]:
-    """The settings the deprecated per-method options give, each use warned about once, naming
-    its ``--set`` spelling."""
+def deprecated_settings(ctx: typer.Context) -> dict[str, Any]:
+    """The settings the deprecated (hidden) per-method options give, each use warned about once,
+    naming its ``--set`` spelling."""
     out = {}
     for param in ctx.command.params:
-        if not getattr(param, "hidden", False) or params.get(param.name) is None:
+        if not getattr(param, "hidden", False) or ctx.params.get(param.name) is None:
             continue
-        setting, value = DEPRECATED_SETTING.get(param.name, param.name), params[param.name]
+        setting, value = DEPRECATED_SETTING.get(param.name, param.name), ctx.params[param.name]
         c.warn(f"{param.opts[0]} is deprecated and goes in the next release; use --set {setting}={value}")
         out[setting] = value
     return out
@@ -198,9 +194,7 @@ def fit_vi_cmd(
         str, typer.Option(help="timm:NAME, torchvision:NAME, builtin:NAME, hf:FOLDER or py:module:factory.")
     ],
     out: Annotated[Path, typer.Option(help="Posterior file to write (.safetensors).")],
-    method: Annotated[
-        str, typer.Option(help="Variational method (its settings are listed below; --set NAME=VALUE).")
-    ],
+    method: Annotated[str, typer.Option(help="Variational method (the registry's of kind vi).")],
     checkpoint: Annotated[
         Path | None,
         typer.Option(
@@ -290,7 +284,7 @@ def fit_vi_cmd(
     shared = {"subset": subset.value, "select": select, "select_by": select_by, "seed": seed}
     # the command's own options fill the settings that have them; one given explicitly must apply
     options = {k: v for k, v in shared.items() if k in fields or _given(ctx, k)}
-    options |= deprecated_settings(ctx, ctx.params)
+    options |= deprecated_settings(ctx)
     settings = vi_settings(method, options, setting or [])
     models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device)

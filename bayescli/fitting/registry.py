@@ -45,10 +45,12 @@ class MethodKind(str, Enum):
 class MethodEntry:
     """One post-hoc method.
 
-    ``posterior_method`` is the ``method`` entry its files carry (several entries may share one:
-    the Laplace variants all write ``laplace`` files); ``defaults`` override the settings'
-    field defaults (a variant is an entry with other defaults); ``likelihoods`` the classifier
-    likelihoods it fits (``categorical``: softmax; ``bernoulli``: a sigmoid per class);
+    ``kind`` says what it is and so which command fits it (:class:`MethodKind`; ``fit-vi`` offers
+    every entry of kind ``vi``); ``posterior_method`` is the ``method`` entry its files carry
+    (several entries may share one: the Laplace variants all write ``laplace`` files); ``defaults``
+    override the settings' field defaults (a variant is an entry with other defaults);
+    ``likelihoods`` the classifier likelihoods it fits (``categorical``: softmax; ``bernoulli``: a
+    sigmoid per class);
     ``train`` its from-scratch trainer and ``train_likelihoods`` the likelihoods that trainer
     trains; ``shards``: under ``torchrun`` its fits shard the fitting rows across processes, as
     far as its settings' ``check_shardable()`` allows (a method without it runs in one process);
