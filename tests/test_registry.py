@@ -206,3 +206,20 @@ def test_a_toy_method_reaches_the_api_and_select(toy, cli, digits_ckpt, tmp_path
     # the leaderboard scores float32 logits' predictive; the oracle is float64 of the same logits
     assert board["methods"]["toy"]["nll"] == pytest.approx(nll, rel=1e-5)
     assert isinstance(load_posterior(tmp_path / "toy.safetensors"), ToyPosterior)
+
+
+def test_sharding_is_the_entry_s_capability_narrowed_by_its_settings(digits_ckpt, monkeypatch):
+    """Under torchrun only entries that shard are fitted (their settings may still refuse); the
+    check runs before any fitting, so a 2-process world is faked here."""
+    from bayescli import parallel
+    from bayescli.errors import BayescliError
+    from bayescli.fitting.pipeline import ModelOptions, fit_from_specs
+
+    monkeypatch.setattr(parallel, "world", lambda: parallel.World(0, 2, 0))
+    model = ModelOptions("builtin:small-cnn", digits_ckpt)
+    with pytest.raises(BayescliError, match="only laplace, laplace-diag, laplace-kron, laplace-full fits"):
+        fit_from_specs("temperature", model, "digits:train[:20]")
+    with pytest.raises(BayescliError, match="only last-layer Laplace fits without refine_steps are sharded"):
+        fit_from_specs("laplace-diag", model, "digits:train[:20]", settings=bayescli.settings("laplace-diag",
+                       refine_steps=2))  # fmt: skip
+    bayescli.settings("laplace-diag").check_shardable()  # last-layer, no refinement: shards
