@@ -37,7 +37,7 @@ from bayescli.fitting.pipeline import (
     fit_posterior,
     require_likelihood,
 )
-from bayescli.fitting.registry import create_settings
+from bayescli.fitting.registry import create_settings, select_defaults
 from bayescli.fitting.registry import methods as _methods
 from bayescli.models.features import parse_precision
 from bayescli.models.preprocess import Preprocess
@@ -421,7 +421,7 @@ def select(
     ``ood`` set) and rank them by ``select_by`` (``nll`` | ``ece`` | ``brier`` | ``auroc``). Returns
     the leaderboard (``bayescli select``'s ``leaderboard.json``) and the posteriors by method;
     ``out_dir`` also writes their files. ``precision``: the feature pass's, as in :func:`fit`."""
-    from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions
+    from bayescli.fitting.select import SelectOptions
     from bayescli.fitting.select import select as run_select
 
     loaded = as_model(model, head=head, preprocess=preprocess)
@@ -437,7 +437,7 @@ def select(
         name: as_data(d, name=name, preprocess=loaded.preprocess).drop_labels() for name, d in sets.items()
     }
     source = FitSource(loaded, fit_data, val_data, device, batch_size)
-    options = SelectOptions(list(methods or DEFAULT_METHODS), select_by, seed=seed)
+    options = SelectOptions(list(methods or select_defaults()), select_by, seed=seed)
     board, posts = run_select(source, ood_sets, options, out_dir=None if out_dir is None else Path(out_dir))
     for post in posts.values():
         post.model, post.fit_data, post.val_data = loaded, fit_data, val_data

@@ -73,17 +73,6 @@ class Subset(str, Enum):
     ALL = "all"
 
 
-class VIMethod(str, Enum):
-    """Variational posteriors of ``bayescli fit-vi`` / ``bayescli train --method``."""
-
-    MNVI = "mnvi"
-    FSVI = "fsvi"
-    DIRICHLET_FVI = "dirichlet-fvi"
-    GLM_VI = "glm-vi"
-    GGP_VI = "ggp-vi"
-    BBB = "bbb"
-
-
 class HessianStructure(str, Enum):
     DIAG = "diag"
     KRON = "kron"

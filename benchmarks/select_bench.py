@@ -27,7 +27,8 @@ from common import peak_rss_gib, setup_threads  # noqa: E402
 
 from bayescli.data import ArrayData  # noqa: E402
 from bayescli.fitting.fit_source import FitSource  # noqa: E402
-from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions, select  # noqa: E402
+from bayescli.fitting.registry import select_defaults  # noqa: E402
+from bayescli.fitting.select import SelectOptions, select  # noqa: E402
 from bayescli.models.classifier import Classifier  # noqa: E402
 from bayescli.models.specs import LoadedModel, ModelSpec  # noqa: E402
 
@@ -57,7 +58,7 @@ def synthetic(n_fit: int, n_val: int, seed: int = 0) -> tuple[LoadedModel, Array
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    parser.add_argument("--methods", default=",".join(select_defaults()))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()

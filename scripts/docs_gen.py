@@ -15,7 +15,6 @@ not regenerated fails the suite.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
 import json
 import os
@@ -101,23 +100,25 @@ def _value(v: object) -> str:
 
 
 def methods_page() -> str:
-    from bayescli.fitting.registry import REGISTRY, create_settings
+    from bayescli.fitting.registry import REGISTRY, create_settings, setting_rows
 
     out = [
         HEADER.format(source="bayescli/fitting/registry.py"),
         "# Methods and their settings\n",
         "Every method the registry holds (`bayescli.methods()`), what it fits, and each setting "
-        "with its default (`bayescli.settings(NAME)`; on the command line `--set NAME=VALUE` or the "
-        "named options of `fit-laplace` / `fit-vi`). A default of `None` means *chosen for this fit*: "
-        "the settings' docstring (in the [API reference](../reference/api.md)) says how.\n",
-        "| method | what | likelihoods | settings | trains from scratch |",
-        "|---|---|---|---|---|",
+        "with its type and default (`bayescli.settings(NAME)`; on the command line `--set NAME=VALUE`, "
+        "listed per method by `fit-vi --help`, or the named options of `fit-laplace`). A default of "
+        "`None` means *chosen for this fit*: the settings' docstring (in the "
+        "[API reference](../reference/api.md)) says how.\n",
+        "| method | kind | what | likelihoods | settings | trains from scratch | in `select` by default |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, entry in REGISTRY.items():
         settings = create_settings(name)
+        trains = f"`train --method {name}` ({', '.join(entry.train_likelihoods)})" if entry.train else ""
         out.append(
-            f"| `{name}` | {entry.summary} | {', '.join(entry.likelihoods)} | "
-            f"`{type(settings).__name__}` | {'`train --method ' + name + '`' if entry.train else ''} |"
+            f"| `{name}` | {entry.kind.value} | {entry.summary} | {', '.join(entry.likelihoods)} | "
+            f"`{type(settings).__name__}` | {trains} | {'yes' if entry.select_default else ''} |"
         )
     for name, entry in REGISTRY.items():
         settings = create_settings(name)
@@ -125,8 +126,10 @@ def methods_page() -> str:
         variant = f", with {variant}" if variant else ""
         out += [f"\n## {name}\n",
                 f"{entry.summary}. Settings: `{type(settings).__name__}`{variant}.\n",
-                "| setting | default |", "|---|---|"]  # fmt: skip
-        out += [f"| `{f.name}` | {_value(getattr(settings, f.name))} |" for f in dataclasses.fields(settings)]
+                "| setting | type | default |", "|---|---|---|"]  # fmt: skip
+        for setting, kind, default in setting_rows(name):
+            kind = kind.replace("|", " \\| ")  # an enum's values, inside a table cell
+            out.append(f"| `{setting}` | {kind} | {_value(default)} |")
     return "\n".join(out) + "\n"
 
 

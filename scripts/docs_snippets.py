@@ -41,7 +41,7 @@ _EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 # three methods, not the default seven (the recorded outputs are of the commands as shown).
 FAST_ARGS = {
     "bayescli train": ["--epochs", "3"],
-    "bayescli fit-vi": ["--epochs", "2"],
+    "bayescli fit-vi": ["--set", "epochs=2"],
     "bayescli select": ["--methods", "laplace-kron,mnvi,temperature"],
 }
 # Scripts whose shown commands train the checkpoint themselves; the others' set-up line trains one

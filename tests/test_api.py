@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import bayescli
 from bayescli.data import load_data
 from bayescli.errors import BayescliError
-from bayescli.fitting.registry import REGISTRY
+from bayescli.fitting.registry import REGISTRY, MethodKind
 from bayescli.io import load_tensors
 from bayescli.models.specs import load_classifier
 from bayescli.posterior.base import load_posterior
@@ -51,10 +51,7 @@ def test_fit_on_a_module_and_loader_matches_the_cli(method, digits_ckpt, digits_
     module, preprocess, loaders = digits_parts
     out = tmp_path / f"{method}.safetensors"
     entry = REGISTRY[method]
-    if entry.posterior_method == "laplace" or method == "temperature":
-        command = "fit-laplace" if method != "temperature" else None
-    else:
-        command = "fit-vi"
+    command = {MethodKind.LAPLACE: "fit-laplace", MethodKind.VI: "fit-vi"}.get(entry.kind)
     if command is None:  # temperature has no fit command of its own: select writes its file
         args = ["select", "--methods", method, "--out-dir", tmp_path / "sel"]
         out = tmp_path / "sel" / f"{method}.safetensors"

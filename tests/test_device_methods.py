@@ -29,9 +29,9 @@ OWN_METHODS = "laplace-diag,laplace-kron,glm-vi,temperature"
 # default δ is the all-layer diag Laplace marginal-likelihood optimum, whose curvature differs on the
 # emulated device by ~1%, a finding of this branch's report, not BBB's)
 FAST = {
-    "glm-vi": ("--epochs", 20),
-    "ggp-vi": ("--epochs", 2, "--inducing-points", 20),
-    "bbb": ("--epochs", 1, "--subset", "all", "--prior-precision", 1.0, "--samples", 10),
+    "glm-vi": ("--set", "epochs=20"),
+    "ggp-vi": ("--set", "epochs=2", "--set", "inducing_points=20"),
+    "bbb": ("--set", "epochs=1", "--subset", "all", "--set", "prior_precision=1.0", "--set", "samples=10"),
 }
 
 

@@ -35,10 +35,10 @@ from bayescli.training.classifier import TrainConfig, save_checkpoint, train_cla
 # validation split the checkpoint records (digits:val), so their selection runs on the device too;
 # Dirichlet fVI's τ selection refits over a 13-point grid, so its τ is given.
 FITS = {
-    "mnvi": ("--epochs", 2),
-    "mnvi-all": ("--subset", "all", "--epochs", 1, "--no-select"),
-    "fsvi": ("--epochs", 2, "--context-points", 8),
-    "dirichlet-fvi": ("--epochs", 2, "--members", 3, "--tau", 0.5),
+    "mnvi": ("--set", "epochs=2"),
+    "mnvi-all": ("--subset", "all", "--set", "epochs=1", "--no-select"),
+    "fsvi": ("--set", "epochs=2", "--set", "context_points=8"),
+    "dirichlet-fvi": ("--set", "epochs=2", "--set", "members=3", "--set", "tau=0.5"),
 }
 VI_BATCHES = (32, 128)  # 300 fitting inputs: 10 vs 3 steps of the VI objective per epoch
 
@@ -235,7 +235,7 @@ def multi_ckpt(tmp_path_factory):
 def test_bernoulli_mnvi_fit_and_predict_on_the_device_equal_cpu(cli, multi_ckpt, tmp_path, subset):
     fit = ("fit-vi", "--method", "mnvi", "--model", "builtin:mlp", "--checkpoint", multi_ckpt,
            "--data", "composed-digits:train", "--limit", 200, "--val-data", "composed-digits:val[:100]",
-           "--subset", subset, "--epochs", 1, "--quiet")  # fmt: skip
+           "--subset", subset, "--set", "epochs=1", "--quiet")  # fmt: skip
     for device in ("cuda", "cpu"):
         res, _, _ = run_cli(cli, *fit, "--out", tmp_path / f"{device}.safetensors", device=device)
         assert res.code == 0, res.err

@@ -580,7 +580,7 @@ def test_predict_defaults_to_the_dirichlet_mean_and_labels_links_through_its_gau
     # On the CPU (the reference below runs there), fit and predict; the reference takes the
     # features in predict's own batches, so α is the same computation and equal to the last bit.
     cpu = ("--device", "cpu")
-    fit_cmd = (*fit_cmd, "--data", "digits:train", "--members", "3", "--epochs", "2", *cpu)
+    fit_cmd = (*fit_cmd, "--data", "digits:train", "--set", "members=3", "--set", "epochs=2", *cpu)
     assert cli(*fit_cmd, "--out", path).code == 0
     model, post = load_classifier("builtin:mlp", mlp_ckpt), load_posterior(path)
     native = post.alpha_features(extract_features(model, load_data("digits:test")).phi)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from bayescli.errors import BayescliError
-from bayescli.fitting.registry import parse_setting
+from bayescli.fitting.registry import create_settings, parse_setting
 from bayescli.io import load_tensors
 from bayescli.posterior.base import load_posterior
 
 FITS = {
-    "mnvi": ["--epochs", "2"],
-    "fsvi": ["--epochs", "1", "--context-points", "8"],
-    "dirichlet-fvi": ["--epochs", "2", "--members", "3"],
+    "mnvi": ["--set", "epochs=2"],
+    "fsvi": ["--set", "epochs=1", "--set", "context_points=8"],
+    "dirichlet-fvi": ["--set", "epochs=2", "--set", "members=3"],
 }
 
 
@@ -82,6 +82,57 @@ def test_fit_vi_rejects_options_of_other_methods(digits_ckpt, tmp_path, cli):
               "--data", "digits:train", "--tau", "0.5", "--out", tmp_path / "x.safetensors")  # fmt: skip
     assert res.code == 2 and "does not apply to --method mnvi" in res.err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# Each per-method option of earlier releases: (option, a method with the setting, a value, the
+# setting it fills, that value as the setting's type).
+DEPRECATED = [
+    ("--variant", "mnvi", "mean-and-noise", "variant", "mean-and-noise"),
+    ("--family", "dirichlet-fvi", "mfvi", "family", "mfvi"),
+    ("--members", "dirichlet-fvi", "4", "members", 4),
+    ("--kl-weight", "mnvi", "2e-7", "kl_weight", 2e-7),
+    ("--prior-var", "mnvi", "0.01", "prior_var", 0.01),
+    ("--prior-scale", "fsvi", "3", "prior_scale", 3.0),
+    ("--tau", "dirichlet-fvi", "0.5", "tau", 0.5),
+    ("--beta", "dirichlet-fvi", "2", "beta", 2.0),
+    ("--rho0", "mnvi", "-4", "rho0", -4.0),
+    ("--samples", "mnvi", "8", "samples", 8),
+    ("--context", "fsvi", "augment", "context", "augment"),
+    ("--context-points", "fsvi", "16", "context_points", 16),
+    ("--index-data", "dirichlet-fvi", "digits:val", "index_data", "digits:val"),
+    ("--dropout", "dirichlet-fvi", "0.3", "dropout", 0.3),
+    ("--epochs", "mnvi", "3", "epochs", 3),
+    ("--lr", "mnvi", "0.05", "lr", 0.05),
+    ("--train-batch-size", "mnvi", "32", "batch_size", 32),
+    ("--covariance", "glm-vi", "full", "covariance", "full"),
+    ("--prior-precision", "glm-vi", "2.5", "prior_precision", 2.5),
+    ("--inducing-points", "ggp-vi", "64", "inducing_points", 64),
+]
+
+
+@pytest.mark.parametrize(("option", "method", "text", "setting", "value"), DEPRECATED)
+def test_deprecated_options_are_set_aliases_that_warn(option, method, text, setting, value, cli, monkeypatch):
+    """Each old option gives the settings ``--set`` gives (and its value, typed), and warns once,
+    naming the ``--set`` spelling; the fit itself is stubbed out (the settings are the point)."""
+    seen = []
+
+    def capture(method, model, data, *, settings, **kw):
+        seen.append(settings)
+        raise BayescliError("stubbed fit")
+
+    monkeypatch.setattr("bayescli.fitting.pipeline.fit_from_specs", capture)
+    args = ("fit-vi", "--method", method, "--model", "builtin:small-cnn", "--data", "digits:train",
+            "--out", "x.safetensors")  # fmt: skip
+    old = cli(*args, f"{option}={text}")
+    new = cli(*args, "--set", f"{setting}={text}")
+    assert old.code == new.code == 2 and "stubbed fit" in old.err and "stubbed fit" in new.err
+    assert len(seen) == 2 and seen[0] == seen[1], (seen, old.err)
+    assert getattr(seen[0], setting) == value and type(getattr(seen[0], setting)) is type(value)
+    assert seen[0] != create_settings(method)  # the option took effect
+    warned = [line for line in old.err.splitlines() if "deprecated" in line]
+    assert len(warned) == 1 and f"{option} is deprecated" in warned[0], old.err
+    assert f"use --set {setting}=" in warned[0]
+    assert "deprecated" not in new.err
 
 
 def test_set_values_take_the_declared_field_types():

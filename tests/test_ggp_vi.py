@@ -130,8 +130,8 @@ def test_cli_fit_vi_ggp_vi(cli, tmp_path):
     assert cli("train", *args, "--epochs", "2", "--out", ckpt, "-q").code == 0
     out = tmp_path / "ggpvi.safetensors"
     res = cli(
-        "fit-vi", "--method", "ggp-vi", *args, "--checkpoint", ckpt, "--inducing-points", "50",
-        "--epochs", "2", "--out", out, "--json",
+        "fit-vi", "--method", "ggp-vi", *args, "--checkpoint", ckpt, "--set", "inducing_points=50",
+        "--set", "epochs=2", "--out", out, "--json",
     )  # fmt: skip
     assert res.code == 0, res.err
     post = load_posterior(out)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bayescli.errors import BayescliError
-from bayescli.fitting.registry import REGISTRY, MethodEntry
+from bayescli.fitting.registry import REGISTRY, MethodEntry, MethodKind
 from bayescli.io import load_tensors, save_tensors
 from bayescli.options import Subset
 from bayescli.posterior.base import Posterior, load_posterior
@@ -51,7 +51,9 @@ class ToyPosterior(Posterior):
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    entry = MethodEntry("toy", "a toy", "", "", f"{__name__}:ToyPosterior", "toy")
+    entry = MethodEntry(
+        "toy", "a toy", "", "", f"{__name__}:ToyPosterior", "toy", kind=MethodKind.CALIBRATION
+    )
     monkeypatch.setitem(REGISTRY, "toy", entry)
 
 

@@ -77,6 +77,8 @@ def test_on_a_well_trained_net_no_refit_beats_map_so_the_map_head_is_kept(splits
     record = post.metadata()["selection"]
     assert post.family == "map" and post.tau == 0.0 and record["chosen"] == 0.0
     assert "MAP head" in record["warning"] and post.meta["history"] == []
+    # recorded as the MAP fallback, which select and evaluate read (no method-specific entry)
+    assert record["map_fallback"] is True and post.selection.chose_map is True
     assert min(row["nll"] for row in record["curve"]) > record["map_limit"]["nll"]
     map_val = map_nll(source, val)
     assert_below(dirichlet_mean_nll(post, source, val) - map_val, MAP_GAP, what="validation NLL vs MAP")
@@ -97,6 +99,7 @@ def test_an_undertrained_net_gains_from_the_weight_space_refit_at_the_grid_edge(
     assert "smallest value searched" in record["warning"] and "weight-space limit" in record["warning"]
     assert dirichlet_mean_nll(post, source, val) < record["map_limit"]["nll"]
     assert record["map_point"] is False  # a refit that beats the MAP head, not the MAP head
+    assert "map_fallback" not in record and post.selection.chose_map is False
 
 
 def test_without_validation_data_tau_is_the_principled_default_and_says_so(digits_ckpt, splits):

@@ -368,7 +368,7 @@ def test_cli_fit_vi_and_predict_write_per_label_outputs(cli, multi_ckpt, tmp_pat
     post = tmp_path / "p.safetensors"
     args = ["--model", "builtin:mlp", "--checkpoint", multi_ckpt, "--data", "composed-digits:train"]
     # GLM VI's selection is covered above: a given δ keeps this end-to-end run short
-    given = ["--prior-precision", "3", "--epochs", "50"] if method == "glm-vi" else []
+    given = ["--set", "prior_precision=3", "--set", "epochs=50"] if method == "glm-vi" else []
     val = ["--val-data", "composed-digits:val", *given]
     res = cli("fit-vi", "--method", method, *args, *val, "--out", post, "--json")
     assert res.code == 0, res.err

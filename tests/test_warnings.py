@@ -67,7 +67,7 @@ def test_extract_features_warns_on_low_accuracy(digits_ckpt, permuted_npz):
 def test_fit_vi_warns_once_on_low_accuracy(cli, digits_ckpt, permuted_npz, tmp_path, subset):
     res = cli(
         "fit-vi", "--method", "mnvi", "--subset", subset, "--model", "builtin:small-cnn",
-        "--checkpoint", digits_ckpt, "--data", f"npz:{permuted_npz}", "--epochs", "1",
+        "--checkpoint", digits_ckpt, "--data", f"npz:{permuted_npz}", "--set", "epochs=1",
         "--out", tmp_path / "m.safetensors", "--quiet",
     )  # fmt: skip
     assert res.code == 0, res.err
@@ -78,7 +78,7 @@ def test_fit_vi_warns_once_on_low_accuracy(cli, digits_ckpt, permuted_npz, tmp_p
 def test_fit_vi_is_quiet_on_good_data(cli, digits_ckpt, tmp_path):
     res = cli(
         "fit-vi", "--method", "mnvi", "--model", "builtin:small-cnn", "--checkpoint", digits_ckpt,
-        "--data", "digits:train", "--epochs", "1", "--out", tmp_path / "m.safetensors", "--quiet",
+        "--data", "digits:train", "--set", "epochs=1", "--out", tmp_path / "m.safetensors", "--quiet",
     )  # fmt: skip
     assert res.code == 0, res.err
     assert not accuracy_lines(res.err), res.err

@@ -15,7 +15,7 @@ from bayescli.cli.conformal import conformal_cmd
 from bayescli.cli.demo import demo
 from bayescli.cli.evaluate import evaluate_cmd, report_cmd
 from bayescli.cli.fit import fit_laplace_cmd
-from bayescli.cli.fit_vi import fit_vi_cmd
+from bayescli.cli.fit_vi import FitViCommand, fit_vi_cmd
 from bayescli.cli.inspect import inspect_cmd
 from bayescli.cli.predict import predict_cmd
 from bayescli.cli.select import select_cmd
@@ -58,7 +58,7 @@ _USAGE = (click.ClickException, getattr(typer, "TyperException", click.ClickExce
 app.command("inspect")(inspect_cmd)
 app.command()(train)
 app.command("fit-laplace")(fit_laplace_cmd)
-app.command("fit-vi")(fit_vi_cmd)
+app.command("fit-vi", cls=FitViCommand)(fit_vi_cmd)
 app.command("select")(select_cmd)
 app.command("predict")(predict_cmd)
 app.command("topk")(topk_cmd)

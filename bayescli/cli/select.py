@@ -10,6 +10,7 @@ import typer
 from bayescli import progress
 from bayescli.cli import common as c
 from bayescli.cli.fit_options import ValData, ValSplit
+from bayescli.fitting.registry import select_defaults
 
 SELECT_CRITERIA = ("nll", "ece", "brier", "auroc")
 
@@ -42,10 +43,7 @@ def select_cmd(
     ] = "nll",
     methods: Annotated[
         str | None,
-        typer.Option(
-            help="Comma-separated registry methods (default: laplace-diag,laplace-kron,mnvi,"
-            "fsvi,dirichlet-fvi,glm-vi,temperature)."
-        ),
+        typer.Option(help=f"Comma-separated registry methods (default: {','.join(select_defaults())})."),
     ] = None,
     head: c.Head = None,
     model_args: c.ModelArg = None,
@@ -78,14 +76,14 @@ def select_cmd(
     from bayescli.errors import BayescliError
     from bayescli.fitting.fit_source import FitSource
     from bayescli.fitting.pipeline import check_labels, resolve_validation
-    from bayescli.fitting.select import DEFAULT_METHODS, SelectOptions, select
+    from bayescli.fitting.select import SelectOptions, select
 
     c.setup(quiet, as_json, seed)
     if select_by not in SELECT_CRITERIA:
         raise typer.BadParameter(f"choose one of {', '.join(SELECT_CRITERIA)}", param_hint="--select-by")
     if val_data is None and val_split is None:
         raise BayescliError("select chooses on held-out data: pass --val-data SPEC or --val-split FRACTION")
-    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else list(DEFAULT_METHODS)
+    names = [m.strip() for m in methods.split(",") if m.strip()] if methods else select_defaults()
     options = SelectOptions(names, select_by, seed=seed)
     models, data_opts = c.option_groups(ctx.params)
     dev = c.resolve_device(device)

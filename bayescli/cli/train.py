@@ -9,13 +9,17 @@ import typer
 
 from bayescli.cli import common as c
 from bayescli.errors import BayescliError
-from bayescli.options import TrainConfig, VIMethod
+from bayescli.fitting.registry import method_entry, trainable
+from bayescli.options import TrainConfig
 
-TRAIN_METHODS = ["map", *(m.value for m in VIMethod)]
 # kept in step with bayescli.training.classifier.LIKELIHOODS (not imported: torch loads lazily)
 LIKELIHOODS = ["categorical", "bernoulli"]
-# the trainers that fit multi-label (bernoulli) models; the others are softmax-only
-BERNOULLI_TRAIN_METHODS = ["map", "mnvi"]
+
+
+def train_methods(likelihood: str | None = None) -> list[str]:
+    """``--method``'s objectives: MAP and every registry method with a from-scratch trainer (that
+    trains ``likelihood``, when given; MAP trains both)."""
+    return ["map", *trainable(likelihood)]
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:
@@ -33,7 +37,8 @@ def train(
     out: Annotated[Path, typer.Option(help="Checkpoint to write (.safetensors).")],
     model: Annotated[str, typer.Option(help="builtin:small-cnn or builtin:mlp.")] = "builtin:small-cnn",
     method: Annotated[
-        str, typer.Option(help=f"Objective: {', '.join(TRAIN_METHODS)} (VI methods also write a posterior).")
+        str,
+        typer.Option(help=f"Objective: {', '.join(train_methods())} (VI methods also write a posterior)."),
     ] = "map",
     posterior_out: Annotated[
         Path | None,
@@ -47,7 +52,7 @@ def train(
         str,
         typer.Option(
             help="categorical (softmax, one class per input) or bernoulli (a sigmoid per class, "
-            "multi-label data y [N, K]; --method map or mnvi)."
+            f"multi-label data y [N, K]; --method {' or '.join(train_methods('bernoulli'))})."
         ),
     ] = "categorical",
     data: Annotated[str, typer.Option(help="Training data spec.")] = "digits:train",
@@ -85,16 +90,17 @@ def train(
     c.setup(quiet, as_json, seed)
     if out.suffix != ".safetensors":
         raise typer.BadParameter("checkpoints are written as .safetensors", param_hint="--out")
-    if method not in TRAIN_METHODS:
-        raise typer.BadParameter(f"choose one of {', '.join(TRAIN_METHODS)}", param_hint="--method")
+    if method not in train_methods():
+        raise typer.BadParameter(f"choose one of {', '.join(train_methods())}", param_hint="--method")
     if method == "map" and setting:
         raise typer.BadParameter("--set applies to VI methods", param_hint="--set")
     if likelihood not in LIKELIHOODS:
         raise typer.BadParameter(f"choose one of {', '.join(LIKELIHOODS)}", param_hint="--likelihood")
-    if likelihood == "bernoulli" and method not in BERNOULLI_TRAIN_METHODS:
+    if method not in train_methods(likelihood):
+        trains = " and ".join(method_entry(method).train_likelihoods)
         raise typer.BadParameter(
-            f"--method {method} trains categorical models only; use --method "
-            f"{' or '.join(BERNOULLI_TRAIN_METHODS)}",
+            f"--method {method} trains {trains} models only; use --method "
+            f"{' or '.join(train_methods(likelihood))}",
             param_hint="--likelihood",
         )
     if posterior_out is not None and posterior_out.suffix != ".safetensors":

@@ -114,6 +114,15 @@ class LaplaceSettings:
             "refine_steps applies to last-layer posteriors; use subset='last-layer'",
         )
 
+    def check_shardable(self) -> None:
+        """Raise unless this fit shards under ``torchrun``: last-layer curvature is a sum over the
+        fitting rows (each process sums its shard's); all-layer fits and the GLM-mode refinement
+        run over every row in one process."""
+        require(
+            self.subset is Subset.LAST_LAYER and not self.refine_steps,
+            "under torchrun only last-layer Laplace fits without refine_steps are sharded; run one process",
+        )
+
 
 def parse_prior(value: float | str | PriorRule | None) -> float | PriorRule | None:
     """``prior_precision`` from a number, a rule or its name (``auto``/``marglik``, ``val-nll``)."""

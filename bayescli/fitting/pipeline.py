@@ -24,7 +24,7 @@ from bayescli import parallel
 from bayescli.data import Data, load_data, validation_spec
 from bayescli.errors import LowAccuracyWarning, require
 from bayescli.fitting.fit_source import FitSource
-from bayescli.fitting.registry import create_settings, fit_function, method_entry
+from bayescli.fitting.registry import create_settings, fit_function, method_entry, sharding
 from bayescli.metrics.classification import low_accuracy_warning
 from bayescli.models.features import check_precision, parse_precision, require_last_layer_precision
 from bayescli.models.preprocess import Preprocess
@@ -274,8 +274,9 @@ def fit_from_specs(
 ) -> FitRun:
     """Load the model and data from specs, fit ``method``, record provenance and write ``out``.
 
-    Under ``torchrun`` (after :func:`bayescli.distributed.init`) last-layer Laplace fits shard the
-    fitting rows across processes (each caches its own shard's features); rank 0 writes the file.
+    Under ``torchrun`` (after :func:`bayescli.distributed.init`) the fits of methods whose registry
+    entry ``shards`` (last-layer Laplace: its settings' ``check_shardable()``) shard the fitting rows
+    across processes (each caches its own shard's features); rank 0 writes the file.
     """
     opts = data_options or DataOptions()
     settings = create_settings(method, settings)
@@ -289,11 +290,11 @@ def fit_from_specs(
     world = parallel.world()
     full_data = fit_data
     if world.distributed:
-        laplace = method_entry(method).posterior_method == "laplace"
         require(
-            laplace and getattr(settings, "subset", None) == "last-layer" and not settings.refine_steps,
-            "under torchrun only last-layer Laplace fits without refine_steps are sharded; run one process",
+            method_entry(method).shards,
+            f"under torchrun only {', '.join(sharding())} fits are sharded; run one process",
         )
+        settings.check_shardable()
         fit_data = fit_data.subset(parallel.local_rows(len(fit_data)))
         if feature_cache is not None:
             feature_cache = feature_cache.with_name(f"{feature_cache.name}.rank{world.rank}-of-{world.size}")

@@ -10,10 +10,12 @@ Every method obeys one contract:
 * optionally ``train(model_spec, train, val, settings, device) → (classifier, checkpoint
   metadata, posterior)``, the from-scratch trainer behind ``bayescli train --method``.
 
-Adding a method is one :data:`REGISTRY` entry. Entries hold ``module:attribute`` strings, so
-importing the registry imports no method (start-up stays light). The CLI derives its per-method
-options and ``--set NAME=VALUE`` from the settings dataclass, and ``bayescli.methods()`` /
-``bayescli.settings(name)`` read this table.
+Adding a method is one :data:`REGISTRY` entry: its capabilities (kind, likelihoods, trainer,
+sharding, ``select``'s default set) are fields of the entry, and every list of methods elsewhere is
+derived from this table — ``bayescli.methods()`` / ``bayescli.settings(name)``, ``fit-vi
+--method`` (entries of kind ``vi``) and its ``--set`` help, ``train --method``, ``select``'s default
+methods, the sharding check under ``torchrun``. Entries hold ``module:attribute`` strings, so
+importing the registry imports no method (start-up and ``--help`` stay light).
 """
 
 from __future__ import annotations
@@ -30,14 +32,29 @@ from bayescli.errors import BayescliError
 from bayescli.numbers import parse_number
 
 
+class MethodKind(str, Enum):
+    """What a method is: a Laplace approximation (``fit-laplace``), a variational posterior
+    (``fit-vi``) or a calibration of the MAP head (fitted by ``select`` and the API)."""
+
+    LAPLACE = "laplace"
+    VI = "vi"
+    CALIBRATION = "calibration"
+
+
 @dataclass(frozen=True)
 class MethodEntry:
     """One post-hoc method.
 
-    ``posterior_method`` is the ``method`` entry its files carry (several entries may share one:
-    the Laplace variants all write ``laplace`` files); ``defaults`` override the settings'
-    field defaults (a variant is an entry with other defaults); ``likelihoods`` the classifier
-    likelihoods it fits (``categorical``: softmax; ``bernoulli``: a sigmoid per class).
+    ``kind`` says what it is and so which command fits it (:class:`MethodKind`; ``fit-vi`` offers
+    every entry of kind ``vi``); ``posterior_method`` is the ``method`` entry its files carry
+    (several entries may share one: the Laplace variants all write ``laplace`` files); ``defaults``
+    override the settings' field defaults (a variant is an entry with other defaults);
+    ``likelihoods`` the classifier likelihoods it fits (``categorical``: softmax; ``bernoulli``: a
+    sigmoid per class);
+    ``train`` its from-scratch trainer and ``train_likelihoods`` the likelihoods that trainer
+    trains; ``shards``: under ``torchrun`` its fits shard the fitting rows across processes, as
+    far as its settings' ``check_shardable()`` allows (a method without it runs in one process);
+    ``select_default``: ``select`` fits it when no methods are named.
     """
 
     name: str
@@ -49,6 +66,10 @@ class MethodEntry:
     train: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     likelihoods: tuple[str, ...] = ("categorical",)
+    kind: MethodKind = field(kw_only=True)
+    train_likelihoods: tuple[str, ...] = field(default=("categorical",), kw_only=True)
+    shards: bool = field(default=False, kw_only=True)
+    select_default: bool = field(default=False, kw_only=True)
 
 
 def _entry(name: str, summary: str, module: str, settings: str, posterior: str, **kw: Any) -> MethodEntry:
@@ -67,6 +88,7 @@ _LAPLACE = "bayescli.fitting.laplace"
 _SOFTMAX_AND_MULTILABEL = ("categorical", "bernoulli")
 _VI = "bayescli.posterior.vi"
 _TRAINING = "bayescli.training"
+_LAPLACE_KIND = {"kind": MethodKind.LAPLACE, "likelihoods": _SOFTMAX_AND_MULTILABEL, "shards": True}
 
 REGISTRY: dict[str, MethodEntry] = {
     entry.name: entry
@@ -77,7 +99,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
-            likelihoods=_SOFTMAX_AND_MULTILABEL,
+            **_LAPLACE_KIND,
         ),
         _entry(
             "laplace-diag",
@@ -85,9 +107,10 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
-            likelihoods=_SOFTMAX_AND_MULTILABEL,
+            **_LAPLACE_KIND,
             posterior_method="laplace",
             defaults={"hessian": "diag"},
+            select_default=True,
         ),
         _entry(
             "laplace-kron",
@@ -95,9 +118,10 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
-            likelihoods=_SOFTMAX_AND_MULTILABEL,
+            **_LAPLACE_KIND,
             posterior_method="laplace",
             defaults={"hessian": "kron"},
+            select_default=True,
         ),
         _entry(
             "laplace-full",
@@ -105,7 +129,7 @@ REGISTRY: dict[str, MethodEntry] = {
             _LAPLACE,
             "LaplaceSettings",
             "LaplacePosterior",
-            likelihoods=_SOFTMAX_AND_MULTILABEL,
+            **_LAPLACE_KIND,
             posterior_method="laplace",
             defaults={"hessian": "full"},
         ),
@@ -115,6 +139,8 @@ REGISTRY: dict[str, MethodEntry] = {
             "bayescli.posterior.temperature",
             "TemperatureSettings",
             "TemperaturePosterior",
+            kind=MethodKind.CALIBRATION,
+            select_default=True,
         ),
         _entry(
             "mnvi",
@@ -122,8 +148,11 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.mnvi",
             "MNVIConfig",
             "MNVIPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.mnvi:train",
             likelihoods=_SOFTMAX_AND_MULTILABEL,
+            train_likelihoods=_SOFTMAX_AND_MULTILABEL,
+            select_default=True,
         ),
         _entry(
             "fsvi",
@@ -131,7 +160,9 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.fsvi",
             "FSVIConfig",
             "FSVIPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.fsvi:train",
+            select_default=True,
         ),
         _entry(
             "dirichlet-fvi",
@@ -139,7 +170,9 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.dirichlet_fvi",
             "DirichletFVIConfig",
             "DirichletFVIPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.dirichlet_fvi:train",
+            select_default=True,
         ),
         _entry(
             "glm-vi",
@@ -147,8 +180,10 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.glm_vi",
             "GLMVIConfig",
             "GLMVIPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.glm_vi:train",
             likelihoods=_SOFTMAX_AND_MULTILABEL,
+            select_default=True,
         ),
         _entry(
             "ggp-vi",
@@ -156,6 +191,7 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.ggp_vi",
             "GGPVIConfig",
             "GGPVIPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.ggp_vi:train",
         ),
         _entry(
@@ -164,6 +200,7 @@ REGISTRY: dict[str, MethodEntry] = {
             f"{_VI}.bbb",
             "BBBConfig",
             "BBBPosterior",
+            kind=MethodKind.VI,
             train=f"{_TRAINING}.bbb:train",
         ),
     )
@@ -175,9 +212,34 @@ def _attribute(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def methods() -> list[str]:
-    """Every registered post-hoc method, in registry order."""
-    return list(REGISTRY)
+def methods(kind: MethodKind | str | None = None) -> list[str]:
+    """Every registered post-hoc method (of ``kind``, when given), in registry order."""
+    if kind is None:
+        return list(REGISTRY)
+    kind = MethodKind(kind)
+    return [name for name, entry in REGISTRY.items() if entry.kind is kind]
+
+
+def trainable(likelihood: str | None = None) -> list[str]:
+    """The methods with a from-scratch trainer (one that trains ``likelihood``, when given)."""
+    return [
+        name
+        for name, entry in REGISTRY.items()
+        if entry.train is not None and (likelihood is None or likelihood in entry.train_likelihoods)
+    ]
+
+
+def select_defaults() -> list[str]:
+    """The methods ``select`` fits when none are named: by kind (Laplace, VI, then the calibration
+    baseline), in registry order within a kind."""
+    order = list(MethodKind)
+    chosen = [name for name, entry in REGISTRY.items() if entry.select_default]
+    return sorted(chosen, key=lambda name: order.index(REGISTRY[name].kind))
+
+
+def sharding() -> list[str]:
+    """The methods whose fits shard the fitting rows under ``torchrun``."""
+    return [name for name, entry in REGISTRY.items() if entry.shards]
 
 
 def method_entry(name: str) -> MethodEntry:
@@ -202,8 +264,9 @@ def train_function(name: str) -> Any:
     """The from-scratch trainer of method ``name`` (an error if it has none)."""
     entry = method_entry(name)
     if entry.train is None:
-        trainable = [n for n, e in REGISTRY.items() if e.train is not None]
-        raise BayescliError(f"{name} has no from-scratch trainer; methods that train: {', '.join(trainable)}")
+        raise BayescliError(
+            f"{name} has no from-scratch trainer; methods that train: {', '.join(trainable())}"
+        )
     return _attribute(entry.train)
 
 
@@ -219,6 +282,28 @@ def posterior_class_name(method: str) -> str:
 def setting_fields(name: str) -> dict[str, dataclasses.Field]:
     """The settings' fields by name (public ones: a leading underscore marks internal state)."""
     return {f.name: f for f in dataclasses.fields(settings_class(name)) if not f.name.startswith("_")}
+
+
+def setting_rows(name: str) -> list[tuple[str, str, Any]]:
+    """``(setting, type, default)`` of each public setting of method ``name`` (its entry's
+    variant defaults applied): what ``--set NAME=VALUE`` takes, for help pages."""
+    hints = typing.get_type_hints(settings_class(name))
+    defaults = create_settings(name)
+    return [(f, type_text(hints[f]), getattr(defaults, f)) for f in setting_fields(name)]
+
+
+def type_text(annotation: Any) -> str:
+    """A settings field's type for help: ``float or None``, an enum's values as ``nll|ece|brier``."""
+    options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    names = []
+    for kind in options:
+        if kind is type(None):
+            names.append("None")
+        elif isinstance(kind, type) and issubclass(kind, Enum):
+            names.append("|".join(str(m.value) for m in kind))
+        else:
+            names.append(getattr(kind, "__name__", str(kind)))
+    return " or ".join(names)
 
 
 def create_settings(name: str, settings: Any = None, **values: Any) -> Any:

@@ -26,7 +26,7 @@ from bayescli.data import Data
 from bayescli.errors import BayescliError, require
 from bayescli.fitting.fit_source import FitSource
 from bayescli.fitting.pipeline import DataOptions, fit_posterior
-from bayescli.fitting.registry import method_entry, setting_fields
+from bayescli.fitting.registry import method_entry, select_defaults, setting_fields
 from bayescli.io import write_json
 from bayescli.metrics.classification import (
     accuracy,
@@ -43,16 +43,16 @@ from bayescli.posterior.base import Posterior
 from bayescli.predictive.glm import predict
 from bayescli.progress import stage
 
-DEFAULT_METHODS = ("laplace-diag", "laplace-kron", "mnvi", "fsvi", "dirichlet-fvi", "glm-vi", "temperature")
 CRITERIA = ("nll", "ece", "brier", "auroc")
 LOWER_IS_BETTER = {"nll": True, "ece": True, "brier": True, "auroc": False}
 
 
 @dataclass
 class SelectOptions:
-    """What ``select`` compares and how it ranks them."""
+    """What ``select`` compares (default: the registry's ``select_default`` methods) and how it
+    ranks them."""
 
-    methods: Sequence[str] = DEFAULT_METHODS
+    methods: Sequence[str] = field(default_factory=select_defaults)
     criterion: str = "nll"
     samples: int = 100
     seed: int = 0
@@ -206,9 +206,8 @@ def _chosen(post: Posterior) -> dict:
     if sel.setting:
         out[sel.setting] = sel.chosen
     # the grid's MAP end was best, or no value beat MAP and the method fell back to the MAP point
-    fallback = sel.map_fallback or ("map_limit" in sel.extra and sel.chosen == 0.0)
-    out["map_point"] = fallback or sel.map_point
-    out["map_fallback"] = fallback
+    out["map_point"] = sel.map_fallback or sel.map_point
+    out["map_fallback"] = sel.map_fallback
     return out
 
 

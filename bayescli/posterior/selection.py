@@ -160,13 +160,12 @@ class Selection:
 
     @property
     def chose_map(self) -> bool | None:
-        """Whether held-out selection chose MAP itself: the grid's MAP end (``map_point``), the MAP
-        fallback (``map_fallback``) or Dirichlet fVI's τ = 0 head (``map_limit``); ``None`` when the
-        setting was not chosen on held-out data."""
+        """Whether held-out selection chose MAP itself: the grid's MAP end (``map_point``) or the
+        MAP fallback (``map_fallback``, e.g. Dirichlet fVI's τ = 0 head); ``None`` when the setting
+        was not chosen on held-out data."""
         if not self.validated:
             return None
-        limit = "map_limit" in self.extra and self.chosen == 0.0
-        return bool(self.map_point or self.map_fallback or limit)
+        return bool(self.map_point or self.map_fallback)
 
     @property
     def label(self) -> str | None:

@@ -44,8 +44,8 @@ plain NLL from the MAP head (the weight-space counterpart), which on a well-trai
 0.005–0.009 worse validation NLL than MAP (digits MLP, measured: Adam's constant-rate refit
 sharpens an annealed head). So the search also scores the MAP head itself (``map`` family,
 ``τ = 0``, no refit; its Dirichlet mean is MAP's softmax smoothed by ``γ``, within ``−ln(1 − γ)``
-≈ 1e−4 NLL of MAP) and keeps it when no refit beats it: the chosen posterior is never worse than
-MAP on validation by more than that.
+≈ 1e−4 NLL of MAP) and keeps it when no refit beats it (``selection.map_fallback``): the chosen
+posterior is never worse than MAP on validation by more than that.
 
 The posterior and its Dirichlet predictive (VI-SPEC A2: Minka's fit to the ``M`` test-time samples
 and its Laplace-bridge logit Gaussian) live in :mod:`~bayescli.posterior.vi.dirichlet_fvi_posterior`.
@@ -278,6 +278,7 @@ def _select_tau(
         best = limit
         sel.chosen = 0.0
         sel.map_point = True
+        sel.map_fallback = True  # no τ beat the MAP head, which is returned instead
         sel.warning = (
             f"no tau in {sel.curve[0]['tau']:.3g}–{sel.curve[-1]['tau']:.3g} improves on the MAP head's "
             f"validation {by} ({limit_scores[by]:.4g} vs {chosen_score:.4g} at best): the posterior is "
