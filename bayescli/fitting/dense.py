@@ -88,7 +88,6 @@ class DenseFitRun:
         prior = self.posterior.prior_record
         return {
             "precision": self.posterior.meta.get("precision"),
-            "map_pixel_accuracy": self.posterior.meta.get("map_accuracy"),
             "validation": None if self.val is None else self.val.spec,
             "chosen prior_precision": prior.get("value"),
             "chosen by": {"val-nll": "validation nll", "marglik": "marginal likelihood"}.get(
@@ -180,7 +179,6 @@ def fit_dense_from_specs(
         "data": fit.info,
         "validation_data": None if val_data is None else val_data.info,
         "validated": val_data is not None and not fixed,
-        "map_accuracy": None,
     }
     post.meta["fit_seconds"] = time.perf_counter() - start
     if out is not None:
