@@ -167,8 +167,10 @@ def _run(
     batch_size: int,
     device: torch.device,
     metrics: bool,
+    timings: dict[str, float],
 ) -> dict[str, _Pass]:
-    """One pass over ``data``: each method's :class:`_Pass` (``metrics``: also the per-pixel ones)."""
+    """One pass over ``data``: each method's :class:`_Pass` (``metrics``: also the per-pixel ones);
+    the backbone's time is added to ``timings["forward"]``."""
     anomaly = data.anomaly is not None
     passes = {m.name: _Pass(dense.num_classes, data.ignore_index, anomaly) for m in methods}
     gen = devices.generator(device, seed)
@@ -176,8 +178,10 @@ def _run(
         part = data.subset(slice(start, start + batch_size))
         x, mask = next(part.batches(len(part)))
         x = x.to(device)
+        tick = time.perf_counter()
         with torch.no_grad():
             logits, carried = dense(x), dense.dense_features(x)
+        timings["forward"] += time.perf_counter() - tick
         for m in methods:
             log_probs, probs, sc = _outputs(m, posts, logits, carried, temperature, samples, gen)
             if metrics and mask is not None:
@@ -256,7 +260,7 @@ def evaluate_segmentation(
         if data.mask is not None:
             check_mask(data.mask, k, data.ignore_index, data.spec)
     posts = {tag: post.to(device) for tag, post in posteriors.items()}
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"forward": 0.0}
     protocol: dict = {
         "task": "segmentation",
         "ece_bins": ECE_BINS,
@@ -275,7 +279,9 @@ def evaluate_segmentation(
         timings["temperature"] = time.perf_counter() - tick
     results: dict = {"in_distribution": {}}
     tick = time.perf_counter()
-    passes = _run(dense, test, plan, posts, temperature, chosen, samples, seed, batch_size, device, True)
+    passes = _run(
+        dense, test, plan, posts, temperature, chosen, samples, seed, batch_size, device, True, timings
+    )
     timings["in_distribution"] = time.perf_counter() - tick
     for m in plan:
         row = passes[m.name].metrics.compute()
@@ -294,7 +300,18 @@ def evaluate_segmentation(
             per = passes
         else:
             per = _run(
-                dense, data, plan, posts, temperature, chosen, samples, seed, batch_size, device, False
+                dense,
+                data,
+                plan,
+                posts,
+                temperature,
+                chosen,
+                samples,
+                seed,
+                batch_size,
+                device,
+                False,
+                timings,
             )
         cells = {}
         for m in plan:
