@@ -336,6 +336,7 @@ _NOT_DENSE = {
 def _evaluate_dense(o: dict) -> int:
     """``evaluate`` on ``seg:`` data (:func:`bayescli.evaluation.segmentation.evaluate_segmentation`)."""
     from bayescli.data.registry import is_segmentation, load_segmentation
+    from bayescli.errors import BayescliError
     from bayescli.evaluation.segmentation import evaluate_segmentation
     from bayescli.io import write_json
     from bayescli.posterior.base import load_posterior
@@ -343,12 +344,11 @@ def _evaluate_dense(o: dict) -> int:
     c.setup(o["quiet"], o["as_json"], o["seed"])
     for name, flag in _NOT_DENSE.items():
         if o[name] is not None:
-            raise typer.BadParameter("does not apply to segmentation data (seg:)", param_hint=flag)
+            raise BayescliError(f"{flag} does not apply to segmentation data (seg:)")
     for spec in o["ood"] or []:
         if not is_segmentation(spec):
-            raise typer.BadParameter(
-                f"{spec}: anomaly sets for segmentation are seg:FILE.npz files with an 'anomaly' array",
-                param_hint="--ood",
+            raise BayescliError(
+                f"--ood {spec}: anomaly sets for segmentation are seg:FILE.npz files with an 'anomaly' array"
             )
     ignore = None if o["ignore_index"] < 0 else o["ignore_index"]
     dev = c.resolve_device(o["device"])
@@ -363,9 +363,7 @@ def _evaluate_dense(o: dict) -> int:
     if val_spec is None and methods is not None and "temp" in methods.split(","):
         val_spec = (first.meta.get("validation_data") or {}).get("spec")
     if val_spec is not None and not is_segmentation(val_spec):
-        raise typer.BadParameter(
-            f"{val_spec} is not segmentation data (seg:FILE.npz)", param_hint="--val-data"
-        )
+        raise BayescliError(f"--val-data {val_spec} is not segmentation data (seg:FILE.npz)")
     val = None if val_spec is None else load_segmentation(val_spec, ignore)
     report = evaluate_segmentation(
         posts,

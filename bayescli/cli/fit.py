@@ -167,11 +167,12 @@ def _fit_dense(
     models: object, data: str, settings: object, params: dict, out: Path, quiet: bool, as_json: bool
 ) -> None:
     """``fit-laplace`` on ``seg:`` data (:func:`bayescli.fitting.dense.fit_dense_from_specs`)."""
+    from bayescli.errors import BayescliError
     from bayescli.fitting.dense import fit_dense_from_specs
     from bayescli.fitting.pipeline import NOT_VALIDATED
 
     if params["feature_cache"] is not None:
-        raise typer.BadParameter("does not apply to segmentation data (seg:)", param_hint="--feature-cache")
+        raise BayescliError("--feature-cache does not apply to segmentation data (seg:)")
     ignore = None if params["ignore_index"] < 0 else params["ignore_index"]
     loaded = models.load()
     run = fit_dense_from_specs(

@@ -105,9 +105,8 @@ def train(
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")
     if is_segmentation(data):
         if method != "map" or likelihood != "categorical":
-            raise typer.BadParameter(
-                "segmentation data (seg:) trains by --method map with the categorical likelihood",
-                param_hint="--method" if method != "map" else "--likelihood",
+            raise BayescliError(
+                "segmentation data (seg:) trains by --method map with --likelihood categorical"
             )
         _train_segmentation(
             model,
@@ -209,9 +208,7 @@ def _train_segmentation(
     train_data = load_segmentation(data, ignore, limit, seed)
     val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
     if val_spec is not None and not is_segmentation(val_spec):
-        raise typer.BadParameter(
-            f"{val_spec} is not segmentation data; pass seg:FILE.npz", param_hint="--val"
-        )
+        raise BayescliError(f"--val {val_spec} is not segmentation data; pass seg:FILE.npz")
     val_data = load_segmentation(val_spec, ignore) if val_spec else None
     given = {"epochs": epochs, "lr": lr, "batch_size": batch_size}
     cfg = TrainConfig(
