@@ -171,6 +171,18 @@ def test_fit_laplace_equals_the_library(scenes, trained, fitted):
     assert post.prior_precision == DELTA
 
 
+def test_fit_laplace_full_on_pixels_with_ignored_ones(scenes, trained):
+    out, spec = scenes / "full.safetensors", f"seg:{scenes}/test.npz[:12]"
+    args = ["--data", spec, "--hessian", "full", "--prior-precision", 2, "--out", out, "-q"]
+    assert run("fit-laplace", "--model", MODEL, "--checkpoint", trained, *args) == 0
+    post, data = load_posterior(out), load_segmentation(spec)
+    assert post.meta["dense"]["ignore_index"] == 255 and data.valid_count() < data.mask.numel()
+    ref = fit_dense_laplace(dense_of(trained), data.batches(5), "full", prior_precision=2.0)
+    assert post.n_data == ref.n_data == data.valid_count()
+    for name, t in ref.tensors().items():
+        assert_close(post.tensors()[name], t, rtol=1e-4, atol=1e-5 * float(t.abs().max()), what=name)
+
+
 def test_fit_laplace_chooses_delta_on_validation_pixels(capsys, scenes, trained):
     out = scenes / "val.safetensors"
     data = f"seg:{scenes}/train.npz:train"
@@ -217,6 +229,8 @@ def test_evaluate_report_against_the_library_and_oracles(capsys, scenes, trained
         "--json",
         "--batch-size",
         7,
+        "--val-data",  # T on pixels that include ignored (anomalous) ones
+        f"{test_spec}[:10]",
     )
     assert code == 0
     report = json.loads(report_path.read_text())
@@ -273,6 +287,14 @@ def test_evaluate_report_against_the_library_and_oracles(capsys, scenes, trained
     t = temp["temperature"]
     assert_close(temp["val_nll"], nll(t), rtol=1e-9, what="val nll at T")
     assert nll(t) <= min(nll(t * 1.02), nll(t / 1.02)) and temp["val_points"] == val.valid_count()
+    assert val.valid_count() < val.mask.numel()
+    with torch.no_grad():
+        zt = dense(x).double() / t
+    keep = test.mask != 255
+    want = torch.nn.functional.cross_entropy(zt, test.mask, ignore_index=255)
+    assert_close(res["in_distribution"]["temp"]["nll"], want, rtol=1e-6, what="temp test nll")
+    acc = (zt.argmax(1) == test.mask)[keep].double().mean()
+    assert_close(res["in_distribution"]["temp"]["pixel_accuracy"], acc, atol=1e-12, what="temp accuracy")
 
 
 def test_gates_on_dense_numbers(capsys, scenes, fitted):
