@@ -22,7 +22,7 @@ import torch
 from bayescli.data.registry import DataSpec, is_segmentation, load_segmentation
 from bayescli.data.segmentation import IGNORE_INDEX, SegmentationData, check_mask
 from bayescli.errors import BayescliError, require
-from bayescli.evaluation.dense import select_dense_prior
+from bayescli.evaluation.dense import map_pixel_accuracy, select_dense_prior
 from bayescli.fitting.laplace import LaplaceSettings, PriorRule
 from bayescli.models.dense import DenseClassifier, as_dense
 from bayescli.models.features import parse_precision
@@ -223,21 +223,3 @@ def inspect_dense(
         if split["split_check"] == "ok":
             facts["map_pixel_accuracy"] = map_pixel_accuracy(dense, data, device)
     return facts
-
-
-@torch.no_grad()
-def map_pixel_accuracy(
-    dense: DenseClassifier, data: SegmentationData, device: torch.device | str, batch_size: int = 16
-) -> float:
-    """Arg-max accuracy of the network's logits over ``data``'s valid pixels."""
-    right = total = 0
-    for x, mask in data.batches(batch_size):
-        pred = dense(x.to(device)).argmax(1).cpu()
-        valid = (
-            torch.ones_like(mask, dtype=torch.bool)
-            if data.ignore_index is None
-            else mask != data.ignore_index
-        )
-        right += int((pred == mask)[valid].sum())
-        total += int(valid.sum())
-    return right / total

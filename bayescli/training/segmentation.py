@@ -19,7 +19,7 @@ from torch import nn
 from bayescli._version import __version__
 from bayescli.data.segmentation import SegmentationData
 from bayescli.errors import BayescliError, require
-from bayescli.fitting.dense import map_pixel_accuracy
+from bayescli.evaluation.dense import map_pixel_accuracy
 from bayescli.models.dense import DenseClassifier, find_dense_head
 from bayescli.models.specs import Classifier, ModelSpec, build_network, builtin_names
 from bayescli.options import TrainConfig
