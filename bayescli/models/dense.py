@@ -390,10 +390,13 @@ class DenseClassifier(nn.Module):
         raise BayescliError(self._problem)
 
 
-def as_dense(classifier: Classifier, x: torch.Tensor, name: str = "the model") -> DenseClassifier:
+def as_dense(
+    classifier: Classifier, x: torch.Tensor, name: str = "the model", check_split: bool = True
+) -> DenseClassifier:
     """The segmentation net ``classifier`` wraps, checked on pixel-space images ``x [n, ...]``:
     refuses, in one line, a network whose output holds no per-pixel logits ``[n, K, H, W]`` (a
-    classifier) before looking for a dense head, then a failed split (:meth:`check_split`)."""
+    classifier) before looking for a dense head, then (``check_split``) a failed split
+    (:meth:`DenseClassifier.check_split`)."""
     with torch.no_grad():
         out = classifier.network(classifier.normalise(x))
     maps = [v for _, v in _elements(out)] if not isinstance(out, torch.Tensor) else [out]
@@ -404,5 +407,6 @@ def as_dense(classifier: Classifier, x: torch.Tensor, name: str = "the model") -
             "segmentation data (seg:) needs a segmentation checkpoint"
         )
     dense = DenseClassifier.from_classifier(classifier)
-    dense.check_split(x)
+    if check_split:
+        dense.check_split(x)
     return dense

@@ -75,7 +75,7 @@ def train_segmenter(
         ) from None
     dense = DenseClassifier(net, head, mean, std).to(device)
     with torch.no_grad():
-        out = dense.net(dense.normalise(train.batches(1).__next__()[0].to(device)))
+        out = dense.net(dense.normalise(next(train.batches(1))[0].to(device)))
     require(
         isinstance(out, torch.Tensor) and out.dim() == 4,
         f"{spec} does not return per-pixel logits [N, K, H, W]; train builtin:small-segnet on seg: data",
