@@ -318,6 +318,20 @@ def test_gates_on_dense_numbers(capsys, scenes, fitted):
     assert code == 2 and "'in_distribution.glm-probit.accuracy' is not in what this evaluation reports" in err
 
 
+def test_ood_anomaly_sets(capsys, scenes, fitted):
+    test_spec, ood_spec = f"seg:{scenes}/test.npz", f"seg:{scenes}/test.npz[10:20]"
+    out = scenes / "ood.json"
+    args = ["--posterior", fitted, "--data", f"seg:{scenes}/train.npz:test", "--methods", "map,glm-probit"]
+    assert run("evaluate", *args, "--ood", ood_spec, "--ood", test_spec, "--out", out, "-q") == 0
+    anomaly = json.loads(out.read_text())["results"]["anomaly"]
+    assert list(anomaly) == [ood_spec, test_spec]  # the test data (train scenes) has no anomaly masks
+    ood = load_segmentation(ood_spec)
+    assert anomaly[ood_spec]["map"]["pixels"] == ood.anomaly.numel()
+    assert anomaly[ood_spec]["map"]["anomalous"] == int(ood.anomaly.sum())
+    assert run("evaluate", *args, "--ood", f"seg:{scenes}/train.npz", "-q") == 2
+    assert "has no 'anomaly' array" in one_line(capsys.readouterr().err)
+
+
 def one_line(err: str) -> str:
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1, err
