@@ -253,6 +253,9 @@ def evaluate_segmentation(
         val is not None or all(m.name != "temp" for m in plan),
         "temp fits T on validation pixels; pass --val-data seg:FILE.npz",
     )
+    for data in (test, *ood, *([val] if val is not None else [])):
+        problem = model.input_problem(data.input_shape, data.spec)
+        require(problem is None, problem or "")
     dense = as_dense(model.classifier.to(device), next(test.batches(2))[0].to(device), str(model.spec))
     k = dense.num_classes
     require(len(model.class_names) == k, f"the model has {k} classes but names {len(model.class_names)}")

@@ -57,6 +57,8 @@ def check_dense_settings(settings: LaplaceSettings) -> None:
 def dense_view(loaded: LoadedModel, data: SegmentationData, device: torch.device | str) -> DenseClassifier:
     """``loaded`` as a dense classifier on ``device``, checked on ``data``'s first images: a
     segmentation model (per-pixel logits through a 1×1-conv head) whose classes cover the masks."""
+    problem = loaded.input_problem(data.input_shape, data.spec)
+    require(problem is None, problem or "")
     x, _ = next(data.batches(2))
     dense = as_dense(loaded.classifier.to(device), x.to(device), str(loaded.spec))
     if data.mask is not None:
@@ -185,6 +187,8 @@ def inspect_dense(
     input shape; ``not checked`` without either). With labelled ``data``, the MAP pixel accuracy
     over its valid pixels."""
     if data is not None:
+        problem = loaded.input_problem(data.input_shape, data.spec)
+        require(problem is None, problem or "")
         x = next(data.batches(2))[0]
     elif loaded.metadata.get("input_shape"):
         gen = torch.Generator().manual_seed(seed)
