@@ -384,3 +384,27 @@ def test_bad_input_exits_2_naming_the_cause(capsys, scenes, trained, digits_ckpt
         == 2
     )
     assert "--rotation" in one_line(capsys.readouterr().err)
+
+
+def test_a_torchvision_segmentation_checkpoint_goes_through(capsys, scenes, tmp_path):
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    net = tv.models.segmentation.deeplabv3_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=4, aux_loss=False
+    )
+    torch.save(net.state_dict(), tmp_path / "dl.pth")
+    test = load_segmentation(f"seg:{scenes}/test.npz[:8]")
+    np.savez(tmp_path / "rgb.npz", x=test.x.repeat(1, 3, 1, 1).numpy(), mask=test.mask.numpy())
+    model = ["--model", "torchvision:deeplabv3_mobilenet_v3_large", "--checkpoint", tmp_path / "dl.pth"]
+    model += ["--model-arg", "weights_backbone=None"]
+    data = ["--data", f"seg:{tmp_path}/rgb.npz"]
+    assert run("inspect", *model, *data, "--json") == 0
+    dense = json.loads(capsys.readouterr().out)["dense"]
+    assert dense["head"] == "classifier.4" and dense["output"] == "out" and dense["split_check"] == "ok"
+    post = tmp_path / "dl.safetensors"
+    assert run("fit-laplace", *model, *data, "--prior-precision", 1, "--out", post, "-q") == 0
+    out = tmp_path / "dl.json"
+    assert run("evaluate", "--posterior", post, *data, "--methods", "map,glm-probit", "--out", out, "-q") == 0
+    report = json.loads(out.read_text())
+    assert report["model"]["head"] == "classifier.4" and report["model"]["head_kind"] == "conv1x1-dense"
+    assert report["results"]["in_distribution"]["map"]["pixels"] == test.valid_count()
