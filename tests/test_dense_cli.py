@@ -362,6 +362,8 @@ def test_bad_input_exits_2_naming_the_cause(capsys, scenes, trained, digits_ckpt
 
     assert run(*fit, "--data", f"seg:{scenes}/train.npz", "--subset", "all") == 2
     assert "only --subset last-layer applies" in one_line(capsys.readouterr().err)
+    assert run(*fit, "--data", f"seg:{scenes}/train.npz", "--resize", 32) == 2
+    assert "--resize does not apply to segmentation data" in one_line(capsys.readouterr().err)
 
     # a classifier checkpoint with segmentation data: refused before any head is looked for
     small = torch.nn.functional.interpolate(train.x[:20].float(), size=(8, 8))[:, 0]

@@ -330,6 +330,13 @@ _NOT_DENSE = {
     "corruption_root": "--corruption-root",
     "fgsm": "--fgsm",
     "html_out": "--html",
+    # images and masks must be resized alike; the model's own normalisation applies as recorded
+    "preprocess": "--preprocess",
+    "mean": "--mean",
+    "std": "--std",
+    "resize": "--resize",
+    "crop": "--crop",
+    "precision": "--precision",
 }
 
 

@@ -171,8 +171,10 @@ def _fit_dense(
     from bayescli.fitting.dense import fit_dense_from_specs
     from bayescli.fitting.pipeline import NOT_VALIDATED
 
-    if params["feature_cache"] is not None:
-        raise BayescliError("--feature-cache does not apply to segmentation data (seg:)")
+    for name in ("feature_cache", "resize", "crop", "precision"):
+        if params[name] is not None:  # resizing would have to treat images and masks alike
+            flag = "--" + name.replace("_", "-")
+            raise BayescliError(f"{flag} does not apply to segmentation data (seg:)")
     ignore = None if params["ignore_index"] < 0 else params["ignore_index"]
     loaded = models.load()
     run = fit_dense_from_specs(
