@@ -330,6 +330,11 @@ def test_ood_anomaly_sets(capsys, scenes, fitted):
     assert anomaly[ood_spec]["map"]["anomalous"] == int(ood.anomaly.sum())
     assert run("evaluate", *args, "--ood", f"seg:{scenes}/train.npz", "-q") == 2
     assert "has no 'anomaly' array" in one_line(capsys.readouterr().err)
+    assert run("evaluate", *args, "--ood", ood_spec, "--ood-scores", "msp,mi", "--out", out, "-q") == 0
+    cells = json.loads(out.read_text())["results"]["anomaly"][ood_spec]
+    assert set(cells["map"]) == {"pixels", "anomalous", "max_prob"}  # mi: the mc link's only
+    assert run("evaluate", *args, "--ood", ood_spec, "--ood-scores", "knn", "-q") == 2
+    assert "unknown anomaly score 'knn' for segmentation" in one_line(capsys.readouterr().err)
 
 
 def one_line(err: str) -> str:
