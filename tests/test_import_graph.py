@@ -30,6 +30,7 @@ FLOORS = {
     "bayescli.training": 5,
     "bayescli.evaluation": 5,
     "bayescli.fitting.pipeline": 6,
+    "bayescli.fitting.dense": 6,
     "bayescli.fitting.select": 6,
     "bayescli.evaluation.report": 6,
     "bayescli.api": 6,

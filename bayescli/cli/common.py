@@ -62,6 +62,14 @@ Download = Annotated[
 Limit = Annotated[
     int | None, typer.Option(min=1, help="Use a seeded random subset of N inputs.", rich_help_panel="Data")
 ]
+IgnoreIndex = Annotated[
+    int,
+    typer.Option(
+        min=-1,
+        help="Mask value of pixels no loss, curvature or metric counts (seg: data; -1: none).",
+        rich_help_panel="Data",
+    ),
+]
 NumWorkers = Annotated[
     int,
     typer.Option(

@@ -48,6 +48,7 @@ def inspect_cmd(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    ignore_index: c.IgnoreIndex = 255,
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     batch_size: c.BatchSize = 256,
@@ -62,8 +63,15 @@ def inspect_cmd(
     preprocessing; with --data also the MAP accuracy (and the low-accuracy warning). Every fit
     records the same facts in its posterior file.
 
+    A segmentation model (a checkpoint `bayescli train` wrote on seg: data, or any model with --data
+    seg:FILE.npz) is described as a dense per-pixel classifier: its 1×1-conv head, K, C and whether the
+    head's output reaches the logits through upsampling/cropping only (the split check).
+
     Example: bayescli inspect --model py:mynet:Net --checkpoint lightning.ckpt --data mnist:test --limit 500
+
+    Example: bayescli inspect --model builtin:small-segnet --checkpoint seg.safetensors --data seg:test.npz
     """
+    from bayescli.data.registry import is_segmentation
     from bayescli.metrics.classification import low_accuracy_warning
     from bayescli.models.features import FeatureStream
     from bayescli.models.specs import load_classifier
@@ -82,6 +90,32 @@ def inspect_cmd(
     )
     loaded.precision = precision or loaded.precision
     seen: dict[str, Any] = {}
+    if is_segmentation(data) or (data is None and loaded.metadata.get("task") == "segmentation"):
+        from bayescli.data.registry import load_segmentation
+        from bayescli.fitting.dense import inspect_dense
+
+        ignore = None if ignore_index < 0 else ignore_index
+        seg = None if data is None else load_segmentation(data, ignore, limit, seed)
+        facts = inspect_dense(loaded, seg, dev, seed)
+        if facts["dense"]["split_check"].startswith("failed"):
+            c.warn(facts["dense"]["split_check"])
+        info = {**loaded.describe(), **facts, "class_names": loaded.class_names}
+        for key in (
+            "head",
+            "head_kind",
+            "feature_dim",
+            "num_classes",
+            "output",
+            "output_kind",
+            "last_layer_exact",
+        ):
+            info.pop(key, None)  # the classification view of the head: the dense block replaces it
+        names = info.pop("class_names")
+        rows = flatten(info) + [["class_names", ", ".join(names)]]
+        c.show(
+            quiet, as_json, c.table(f"{model}", ["", "value"], rows), payload={**info, "class_names": names}
+        )
+        return
     if data is not None:
         opts = c.data_options(
             data_root=data_root,

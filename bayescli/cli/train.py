@@ -68,6 +68,7 @@ def train(
     data_root: c.DataRoot = Path("data"),
     download: c.Download = False,
     limit: c.Limit = None,
+    ignore_index: c.IgnoreIndex = 255,
     num_workers: c.NumWorkers = 0,
     skip_unreadable: c.SkipUnreadable = False,
     device: c.Device = "auto",
@@ -83,8 +84,11 @@ def train(
     --set kl_weight=2e-7
 
     Example: bayescli train --likelihood bernoulli --data composed-digits:train --out multi.safetensors
+
+    Example: bayescli train --model builtin:small-segnet --data seg:scenes.npz:train --out seg.safetensors
     """
     from bayescli.data import DataSpec, validation_spec
+    from bayescli.data.registry import is_segmentation
     from bayescli.training.classifier import check_likelihood, save_checkpoint, train_classifier
 
     c.setup(quiet, as_json, seed)
@@ -105,6 +109,28 @@ def train(
         )
     if posterior_out is not None and posterior_out.suffix != ".safetensors":
         raise typer.BadParameter("posterior files are .safetensors", param_hint="--posterior-out")
+    if is_segmentation(data):
+        if method != "map" or likelihood != "categorical":
+            raise BayescliError(
+                "segmentation data (seg:) trains by --method map with --likelihood categorical"
+            )
+        _train_segmentation(
+            model,
+            data,
+            val,
+            out,
+            epochs,
+            lr,
+            weight_decay,
+            batch_size,
+            limit,
+            ignore_index,
+            device,
+            seed,
+            quiet,
+            as_json,
+        )
+        return
     data_opts = c.data_options(
         data_root=data_root,
         download=download,
@@ -152,6 +178,60 @@ def train(
         "train_accuracy": meta["train_accuracy"],
         "val_accuracy": meta["val_accuracy"],
         **{k: meta[k] for k in ("train_subset_accuracy", "val_subset_accuracy") if k in meta},
+        "final_loss": meta["train_loss"][-1],
+    }
+    c.show(
+        quiet,
+        as_json,
+        c.table("trained", ["", "value"], [[k, v] for k, v in summary.items()]),
+        payload=summary,
+    )
+
+
+def _train_segmentation(
+    model: str,
+    data: str,
+    val: str | None,
+    out: Path,
+    epochs: int | None,
+    lr: float | None,
+    weight_decay: float,
+    batch_size: int | None,
+    limit: int | None,
+    ignore_index: int,
+    device: str,
+    seed: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """``train`` on ``seg:`` data: a MAP segmentation net (:mod:`bayescli.training.segmentation`)."""
+    from bayescli.data import DataSpec, validation_spec
+    from bayescli.data.registry import is_segmentation, load_segmentation
+    from bayescli.training.classifier import save_checkpoint
+    from bayescli.training.segmentation import train_segmenter
+
+    ignore = None if ignore_index < 0 else ignore_index
+    train_data = load_segmentation(data, ignore, limit, seed)
+    val_spec = val or (validation_spec(data) if DataSpec.parse(data).split == "train" else None)
+    if val_spec is not None and not is_segmentation(val_spec):
+        raise BayescliError(f"--val {val_spec} is not segmentation data; pass seg:FILE.npz")
+    val_data = load_segmentation(val_spec, ignore) if val_spec else None
+    given = {"epochs": epochs, "lr": lr, "batch_size": batch_size}
+    cfg = TrainConfig(
+        **{k: v for k, v in given.items() if v is not None}, weight_decay=weight_decay, seed=seed
+    )
+    clf, meta = train_segmenter(model, train_data, val_data, cfg, c.resolve_device(device))
+    save_checkpoint(out, clf.cpu(), meta)
+    summary = {
+        "method": "map",
+        "task": meta["task"],
+        "checkpoint": str(out),
+        "model": model,
+        "data": train_data.spec,
+        "num_classes": meta["num_classes"],
+        "ignore_index": ignore,
+        "train_pixel_accuracy": meta["train_accuracy"],
+        "val_pixel_accuracy": meta["val_accuracy"],
         "final_loss": meta["train_loss"][-1],
     }
     c.show(

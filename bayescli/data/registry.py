@@ -24,6 +24,12 @@ Multi-label sets (labels ``[N, K]`` 0/1):
   counterpart of composed MNIST: ``composed:idx:NOTMNIST_DIR``. ``composed-digits[:split]`` is
   ``composed`` over all of scikit-learn's 8×8 digits (canvas ``1×8×24``; test split by default,
   like ``digits``).
+
+Segmentation sets (masks ``[N, H, W]``): ``seg:FILE.npz[:split][[lo:hi]]`` reads ``x`` and ``mask``
+(and ``anomaly``, ``class_names``) with :func:`~bayescli.data.segmentation.segmentation_npz`; the
+name alone is the whole file, a split is the same seeded 70/10/20 partition as ``npz:``. They load
+with :func:`load_segmentation` (not :func:`load_data`): a :class:`SegmentationData`, not a
+:class:`Data`.
 """
 
 from __future__ import annotations
@@ -38,14 +44,20 @@ import torch
 from bayescli.data import sources
 from bayescli.data.base import Data
 from bayescli.data.composed import compose
+from bayescli.data.segmentation import IGNORE_INDEX, SegmentationData, segmentation_npz
 from bayescli.errors import BayescliError
 from bayescli.models.preprocess import Preprocess, warn_resize
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_SEED = 0
 _FRACTIONS = {"train": (0.0, 0.7), "val": (0.7, 0.8), "test": (0.8, 1.0)}
-_PATH_KINDS = ("npz", "imagefolder", "idx", "csv", "composed")
-_PATH_EXAMPLES = {"npz": "batch.npz", "csv": "images/labels.csv", "composed": "mnist:test"}
+_PATH_KINDS = ("npz", "imagefolder", "idx", "csv", "composed", "seg")
+_PATH_EXAMPLES = {
+    "npz": "batch.npz",
+    "csv": "images/labels.csv",
+    "composed": "mnist:test",
+    "seg": "scenes.npz",
+}
 _ROWS = re.compile(r"^(?P<spec>.*)\[(?P<lo>-?\d*):(?P<hi>-?\d*)\]$")
 
 
@@ -83,7 +95,7 @@ class DataSpec:
             raise BayescliError(
                 f"unknown dataset '{kind}'; choose one of "
                 f"{', '.join(sorted(set(DATASETS) - set(_PATH_KINDS)))}, "
-                "npz:PATH, idx:DIR, imagefolder:PATH, csv:FILE.csv or composed:SPEC"
+                "npz:PATH, idx:DIR, imagefolder:PATH, csv:FILE.csv, composed:SPEC or seg:FILE.npz"
             )
         if rest and rest not in SPLITS:
             raise BayescliError(f"unknown split '{rest}' in '{text}'; use one of {', '.join(SPLITS)}")
@@ -196,6 +208,13 @@ def _composed_digits(spec: DataSpec, root: Path, download: bool, seed: int, pre:
     return _composed_split(base, spec.split or "test", seed)
 
 
+def _seg(spec: DataSpec, root: Path, download: bool, seed: int, pre: Preprocess) -> Data:
+    raise BayescliError(
+        f"{spec} is segmentation data (per-pixel masks); it serves segmentation models in train, "
+        "inspect, fit-laplace and evaluate"
+    )
+
+
 DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "digits": _digits,
     "mnist": _official(sources.mnist_family("mnist")),
@@ -210,7 +229,47 @@ DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "csv": _csv,
     "composed": _composed,
     "composed-digits": _composed_digits,
+    "seg": _seg,
 }
+
+
+def is_segmentation(spec: str | None) -> bool:
+    """Whether the data spec ``spec`` names segmentation data (``seg:FILE.npz…``)."""
+    return spec is not None and DataSpec.parse(spec).name == "seg"
+
+
+def load_segmentation(
+    spec: str | DataSpec,
+    ignore_index: int | None = IGNORE_INDEX,
+    limit: int | None = None,
+    seed: int = 0,
+    split_seed: int = DEFAULT_SPLIT_SEED,
+) -> SegmentationData:
+    """Load ``seg:FILE.npz[:split][[lo:hi]]`` as :class:`SegmentationData`: the split (seeded
+    70/10/20, as ``npz:``), then the row range, then ``limit`` seeded random images (``seed``).
+    ``info`` records the spec and each step."""
+    parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
+    if parsed.name != "seg":
+        raise BayescliError(f"{parsed} is not segmentation data; use seg:FILE.npz (arrays x and mask)")
+    data = segmentation_npz(Path(parsed.path), ignore_index)
+    info = {"spec": str(parsed), **data.info, "ignore_index": ignore_index}
+    if parsed.split is not None:
+        data = data.subset(_seeded_split(len(data), parsed.split, split_seed))
+        info |= {"split": parsed.split, "split_seed": split_seed}
+    if parsed.rows is not None:
+        info |= {"rows": list(parsed.rows), "rows_of": len(data)}
+        data = data.subset(slice(*parsed.rows))
+    if limit is not None:
+        if limit <= 0:
+            raise BayescliError(f"--limit must be positive, got {limit}")
+        if limit < len(data):
+            idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:limit]
+            data = data.subset(idx.sort().values)
+            info |= {"limit": limit, "limit_seed": seed}
+    if len(data) == 0:
+        raise BayescliError(f"{parsed} is empty")
+    data.info = info
+    return data
 
 
 def load_data(

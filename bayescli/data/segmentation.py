@@ -90,6 +90,11 @@ class SegmentationData:
         return len(self.class_names)
 
     @property
+    def spec(self) -> str:
+        """The data spec it was loaded from (else its source file)."""
+        return str(self.info.get("spec", self.info.get("source", "data")))
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
 

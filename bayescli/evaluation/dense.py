@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from bayescli import devices
-from bayescli.data.segmentation import IGNORE_INDEX
+from bayescli.data.segmentation import IGNORE_INDEX, SegmentationData
 from bayescli.errors import BayescliError
 from bayescli.metrics.segmentation import SegmentationMetrics
 from bayescli.models.dense import DenseClassifier
@@ -114,3 +114,21 @@ def select_dense_prior(
     best = min(curve, key=lambda row: row[1])[0]
     posterior.set_prior_precision(best, "val-nll", curve)
     return best
+
+
+@torch.no_grad()
+def map_pixel_accuracy(
+    dense: DenseClassifier, data: SegmentationData, device: torch.device | str, batch_size: int = 16
+) -> float:
+    """Arg-max accuracy of the network's logits over ``data``'s valid pixels."""
+    right = total = 0
+    for x, mask in data.batches(batch_size):
+        pred = dense(x.to(device)).argmax(1).cpu()
+        valid = (
+            torch.ones_like(mask, dtype=torch.bool)
+            if data.ignore_index is None
+            else mask != data.ignore_index
+        )
+        right += int((pred == mask)[valid].sum())
+        total += int(valid.sum())
+    return right / total

@@ -213,6 +213,17 @@ class DenseClassifier(nn.Module):
         dense = cls(net, head_name, mean, std, output=classifier.output, size=size)
         return dense.to(classifier.mean.device)
 
+    def describe(self) -> dict:
+        """JSON-ready facts: ``head`` (its name), ``head_kind`` ``"conv1x1-dense"``, ``feature_dim`` C,
+        ``num_classes`` K, ``output`` (the selected element's index or key) and ``output_size``."""
+        return {
+            "head": self.head_name,
+            "head_kind": "conv1x1-dense",
+            "feature_dim": self.feature_dim,
+            "num_classes": self.num_classes,
+            "output": self.output,
+        }
+
     # -- the parts --------------------------------------------------------------------------------
 
     @property
@@ -377,3 +388,25 @@ class DenseClassifier(nn.Module):
             "followed only by upsampling/cropping, or pass --head NAME"
         )
         raise BayescliError(self._problem)
+
+
+def as_dense(
+    classifier: Classifier, x: torch.Tensor, name: str = "the model", check_split: bool = True
+) -> DenseClassifier:
+    """The segmentation net ``classifier`` wraps, checked on pixel-space images ``x [n, ...]``:
+    refuses, in one line, a network whose output holds no per-pixel logits ``[n, K, H, W]`` (a
+    classifier) before looking for a dense head, then (``check_split``) a failed split
+    (:meth:`DenseClassifier.check_split`)."""
+    with torch.no_grad():
+        out = classifier.network(classifier.normalise(x))
+    maps = [v for _, v in _elements(out)] if not isinstance(out, torch.Tensor) else [out]
+    if not any(isinstance(v, torch.Tensor) and v.dim() == 4 for v in maps):
+        shape = list(out.shape) if isinstance(out, torch.Tensor) else _describe_elements(out)
+        raise BayescliError(
+            f"{name} is not a segmentation model: it returns {shape}, not per-pixel logits [N, K, H, W]; "
+            "segmentation data (seg:) needs a segmentation checkpoint"
+        )
+    dense = DenseClassifier.from_classifier(classifier)
+    if check_split:
+        dense.check_split(x)
+    return dense
