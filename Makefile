@@ -12,9 +12,10 @@ prefix = $(patsubst ~/%,$(HOME)/%,$(PREFIX))
 # GPU machine, so `--device auto` picks the emulated CUDA): the emulation's own tests and the
 # default Laplace and temperature fits through the CLI (the test_device_*.py modules of the plain
 # run already put every method through every command on the emulated device). Every op of an
-# emulated session goes through Python dispatch, so VI fits run many times slower: `make test-gpu`
-# runs the whole suite so, outside CI's budget (hours on 2 cores: the default GLM VI fit alone
-# takes 15 min emulated, the default BBB fit over an hour; the slice takes ~10 s).
+# emulated session goes through Python dispatch, so VI fits run 2-4x slower (the default GLM VI fit
+# of tests/test_defaults.py 19 s vs 5.5 s plain, the default BBB fit 145 s vs 77 s): `make test-gpu`
+# runs the whole suite so, outside CI's budget (14 min on 2 cores, 33 min when other work shares
+# them; the slice ~40 s, most of it training the suite's checkpoint).
 GPU_SLICE ?= tests/test_emulated_cuda.py \
   "tests/test_defaults.py::test_default_fit_with_validation_data_is_no_worse_than_map[laplace]" \
   "tests/test_defaults.py::test_default_fit_with_validation_data_is_no_worse_than_map[temperature]"

@@ -71,7 +71,6 @@ import contextlib
 import copy
 import os
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,20 +160,46 @@ def _package_dir() -> str | None:
     return os.path.dirname(os.path.abspath(file)) + os.sep if file else None
 
 
+# co_filename -> what the frame is to _where: ("pkg", "bayescli/...") for the package, ("skip", "")
+# for torch and this file, ("other", basename) elsewhere. Per (package dir, file): the package may be
+# imported after the first event.
+_FRAME_KINDS: dict[tuple[str | None, str], tuple[str, str]] = {}
+_THIS_FILE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _frame_kind(pkg: str | None, filename: str) -> tuple[str, str]:
+    key = (pkg, filename)
+    kind = _FRAME_KINDS.get(key)
+    if kind is None:
+        path = os.path.abspath(filename)
+        if pkg is not None and path.startswith(pkg):
+            kind = ("pkg", os.path.join("bayescli", path[len(pkg) :]))
+        elif path == _THIS_FILE or path.startswith(_TORCH_DIR):
+            kind = ("skip", "")
+        else:
+            kind = ("other", os.path.basename(path))
+        _FRAME_KINDS[key] = kind
+    return kind
+
+
 def _where() -> str:
     """The innermost ``bayescli`` frame of the current stack, else the innermost frame outside
-    torch and this file: where a transfer was asked for, not where PyTorch carried it out."""
-    stack = traceback.extract_stack()
+    torch and this file: where a transfer was asked for, not where PyTorch carried it out.
+
+    Walks the frames themselves: ``traceback.extract_stack`` reads every frame's source line,
+    which made each recorded event cost milliseconds in loops that read a scalar per step."""
     pkg = _package_dir()
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
     fallback = None
-    for frame in reversed(stack):
-        path = os.path.abspath(frame.filename)
-        if pkg is not None and path.startswith(pkg):
-            rel = os.path.join("bayescli", path[len(pkg) :])
-            return f"{rel}:{frame.lineno} in {frame.name}"
-        if fallback is None and path != os.path.abspath(__file__) and not path.startswith(torch_dir):
-            fallback = f"{os.path.basename(path)}:{frame.lineno} in {frame.name}"
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        kind, name = _frame_kind(pkg, code.co_filename)
+        if kind == "pkg":
+            return f"{name}:{frame.f_lineno} in {code.co_name}"
+        if fallback is None and kind == "other":
+            fallback = f"{name}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
     return fallback or "?"
 
 
@@ -243,10 +268,6 @@ def _wrap_new(t: Any) -> Any:
     )
 
 
-def _unwrap(t: Any) -> Any:
-    return t.elem if isinstance(t, EmulatedCudaTensor) else t
-
-
 def _plain(t: object) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, EmulatedCudaTensor)
 
@@ -268,15 +289,48 @@ def _check_plain(func: torch._ops.OpOverload, tensors: list[torch.Tensor]) -> No
             raise RuntimeError(f"{_MIXED} (when checking arguments for {_op_name(func)})")
 
 
-def _check_written(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse to write device results into host tensors (in place or ``out=``), 0-dim included:
-    CUDA kernels only take host scalars as inputs."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if any(_plain(t) for t in tree_flatten(value)[0]):
-            raise RuntimeError(f"{_MIXED} (when checking the output of {_op_name(func)})")
+def _tensors(values: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in ``values`` (an op's arguments: tensors, scalars and lists or tuples of them),
+    appended to ``out``. A dispatch-level argument is never a dict or a dataclass, so this walks
+    less than ``tree_flatten`` and is the emulation's hottest helper."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, out)
+    return out
+
+
+def _unwrap_args(values: tuple[Any, ...] | list[Any]) -> list[Any]:
+    """``values`` with each emulated tensor, also inside lists and tuples, replaced by its ``elem``."""
+    return [
+        v.elem
+        if isinstance(v, EmulatedCudaTensor)
+        else _same_sequence(v, _unwrap_args(v))
+        if isinstance(v, (list, tuple))
+        else v
+        for v in values
+    ]
+
+
+def _unwrap_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return dict(zip(kwargs, _unwrap_args(list(kwargs.values())), strict=True)) if kwargs else kwargs
+
+
+def _wrap_out(out: Any) -> Any:
+    """An op's CPU result as emulated tensors (tensors, also inside lists and tuples)."""
+    if isinstance(out, torch.Tensor):
+        return EmulatedCudaTensor(out)
+    if isinstance(out, (list, tuple)):
+        return _same_sequence(out, [_wrap_out(o) for o in out])
+    return out
+
+
+def _same_sequence(like: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """``items`` in a sequence of ``like``'s type (list, tuple or named tuple)."""
+    if type(like) is list:
+        return items
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 # Ops whose index arguments may live on the host (CUDA uploads them): the output lives with self.
@@ -306,6 +360,58 @@ _IMPLICIT_SYNC_OPS = {
     aten.unique_consecutive.default,
     aten._linalg_check_errors.default,
 }
+
+
+class _OpInfo:
+    """What the wrapper's ``__torch_dispatch__`` needs to know about one OpOverload, worked out
+    on its first call (the schema walk and the set lookups cost more than many CPU kernels)."""
+
+    __slots__ = ("is_view", "name", "record", "special", "written")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        self.name = _op_name(func)
+        # (position, name) of every argument the op writes (in place or out=)
+        self.written = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        self.is_view = func.is_view
+        self.record = (
+            "sync" if func in _SCALAR_OPS else "implicit_sync" if func in _IMPLICIT_SYNC_OPS else None
+        )
+        self.special: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+        if func is aten._to_copy.default:
+            self.special = lambda f, args, kwargs: _to_copy(args[0], kwargs)
+        elif func is aten.copy_.default:
+            self.special = lambda f, args, kwargs: _copy_(*args, **kwargs)
+        elif func.overloadpacket is aten.to:
+            self.special = _to
+        elif func in _INDEX_OPS:
+            self.special = _index_op
+
+
+_OP_INFO: dict[torch._ops.OpOverload, _OpInfo] = {}
+
+
+def _op_info(func: torch._ops.OpOverload) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = _OpInfo(func)
+    return info
+
+
+def _written_values(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors the op writes (in place or ``out=``)."""
+    values = [args[i] if i < len(args) else kwargs.get(name) for i, name in info.written]
+    return _tensors(values, [])
+
+
+def _check_written(info: _OpInfo, written: list[torch.Tensor]) -> None:
+    """Refuse to write device results into host tensors (in place or ``out=``), 0-dim included:
+    CUDA kernels only take host scalars as inputs."""
+    if any(_plain(t) for t in written):
+        raise RuntimeError(f"{_MIXED} (when checking the output of {info.name})")
 
 
 class EmulatedCudaTensor(torch.Tensor):
@@ -444,52 +550,53 @@ class EmulatedCudaTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is aten._to_copy.default:
-            return _to_copy(args[0], kwargs)
-        if func is aten.copy_.default:
-            return _copy_(*args, **kwargs)
-        if func.overloadpacket is aten.to:
-            return _to(func, args, kwargs)
-        name = _op_name(func)
-        flat, _ = tree_flatten((args, kwargs))
-        if func in _INDEX_OPS:
-            return _index_op(func, args, kwargs)
-        _check_plain(func, [t for t in flat if _plain(t)])
-        _check_written(func, args, kwargs)
-        if func in _SCALAR_OPS:
-            _record("sync", name)
-        elif func in _IMPLICIT_SYNC_OPS or (
-            func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
-        ):
-            _record("implicit_sync", name)
+        info = _OP_INFO.get(func) or _op_info(func)
+        if info.special is not None:
+            return info.special(func, args, dict(kwargs or {}))
+        kwargs = kwargs or {}
+        flat = _tensors(kwargs.values(), _tensors(args, []))
+        plain = [t for t in flat if not isinstance(t, EmulatedCudaTensor)]
+        if plain:
+            _check_plain(func, plain)
+        written = _written_values(info, args, kwargs) if info.written else []
+        if written:
+            _check_written(info, written)
+        if info.record is not None:
+            _record(info.record, info.name)
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            _record("implicit_sync", info.name)
 
         to_host = False
-        if "device" in kwargs and kwargs["device"] is not None:
+        if kwargs.get("device") is not None:
+            kwargs = dict(kwargs)
             if _emulated_device(kwargs["device"]):
                 kwargs["device"] = _CPU
             else:  # an explicit CPU device (torch.zeros_like(x, device="cpu")): a host result
                 to_host = True
         if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
             kwargs["pin_memory"] = False  # pinning needs the CUDA runtime
 
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        out = func(*_unwrap_args(args), **_unwrap_kwargs(kwargs))
         # In-place and out= ops return a fresh wrapper of the mutated elem here; PyTorch hands
         # the caller its own (mutated) argument instead, so ``x.add_(1) is x`` holds.
-        # A view of a normal tensor is a normal tensor even in inference mode (autograd then gives
-        # it its base's version counter, which an inference-mode wrapper cannot take).
-        normal_view = func.is_view and isinstance(args[0], torch.Tensor) and not args[0].is_inference()
-        with torch.inference_mode(False) if normal_view else contextlib.nullcontext():
-            result = tree_map(
-                lambda o: o if to_host or not isinstance(o, torch.Tensor) else EmulatedCudaTensor(o), out
-            )
-        for t in flat:
+        if to_host:
+            result = out
+        elif info.is_view and isinstance(args[0], torch.Tensor) and not args[0].is_inference():
+            # A view of a normal tensor is a normal tensor even in inference mode (autograd then
+            # gives it its base's version counter, which an inference-mode wrapper cannot take).
+            with torch.inference_mode(False):
+                result = _wrap_out(out)
+        else:
+            result = _wrap_out(out)
+        # Only a written argument can change its shape or strides in place (resize_, t_, out=).
+        for t in written:
             if isinstance(t, EmulatedCudaTensor) and (
                 t.shape != t.elem.shape or t.stride() != t.elem.stride()
             ):
                 raise NotImplementedError(
-                    f"emulated_cuda: {name} changed the shape or strides of an emulated tensor in place "
-                    f"({tuple(t.shape)} → {tuple(t.elem.shape)}); wrappers cannot follow that"
+                    f"emulated_cuda: {info.name} changed the shape or strides of an emulated tensor in "
+                    f"place ({tuple(t.shape)} → {tuple(t.elem.shape)}); wrappers cannot follow that"
                 )
         return result
 
@@ -563,23 +670,23 @@ def _index_op(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     if _plain(self):
         _check_plain(
             func,
-            [t for t in tree_flatten((rest, kwargs))[0] if isinstance(t, EmulatedCudaTensor) and t.dim() > 0],
+            [
+                t
+                for t in _tensors(kwargs.values(), _tensors(rest, []))
+                if isinstance(t, EmulatedCudaTensor) and t.dim() > 0
+            ],
         )
         moved = [i for i in index_tensors if isinstance(i, EmulatedCudaTensor)]
         if moved:
             _record("d2h", name, sum(_nbytes(i.elem) for i in moved))
-        return func(
-            self, [_unwrap(i) for i in indices], *tree_map(_unwrap, rest), **tree_map(_unwrap, kwargs)
-        )
-    _check_plain(func, [t for t in tree_flatten((rest, kwargs))[0] if _plain(t)])
+        return func(self, _unwrap_args(indices), *_unwrap_args(rest), **_unwrap_kwargs(kwargs))
+    _check_plain(func, [t for t in _tensors(kwargs.values(), _tensors(rest, [])) if _plain(t)])
     uploaded = [i for i in index_tensors if _plain(i) and i.dim() > 0]
     for i in uploaded:
         _check_host(i, name)
     if uploaded:
         _record("h2d", name, sum(_nbytes(i) for i in uploaded))
-    out = func(
-        self.elem, [_unwrap(i) for i in indices], *tree_map(_unwrap, rest), **tree_map(_unwrap, kwargs)
-    )
+    out = func(self.elem, _unwrap_args(indices), *_unwrap_args(rest), **_unwrap_kwargs(kwargs))
     return self if out is self.elem else EmulatedCudaTensor(out)
 
 
@@ -613,6 +720,10 @@ class _CudaArgumentsToMeta(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func not in _SPECIAL_FUNCTIONS:  # the common case, kept short: every torch call comes here
+            if kwargs and "device" in kwargs and _is_cuda_device(kwargs["device"]):
+                kwargs = {**kwargs, "device": _BACKING}
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             t, *rest = args
@@ -666,6 +777,16 @@ def _host_index(index: Any) -> Any:
 # Constructors from Python data. They copy to the target device with the Python dispatch keys
 # switched off, so a meta target would silently drop the data: build on the host, then copy.
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
+# What _CudaArgumentsToMeta does more for than rewrite a device= keyword.
+_SPECIAL_FUNCTIONS = {
+    torch.Tensor.cuda,
+    torch.Tensor.to,
+    torch.Tensor.pin_memory,
+    torch.Tensor.is_pinned,
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    *_FROM_DATA,
+}
 
 
 def _from_data(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -709,17 +830,17 @@ class _EmulationDispatchMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = dict(kwargs or {})
-        if any(issubclass(t, EmulatedCudaTensor) for t in types):
-            return func(*args, **kwargs)  # the wrapper's __torch_dispatch__ takes it from here
+        if EmulatedCudaTensor in types or any(issubclass(t, EmulatedCudaTensor) for t in types):
+            return func(*args, **(kwargs or {}))  # the wrapper's __torch_dispatch__ takes it from here
+        kwargs = kwargs or {}
         if func is aten.is_pinned.default:
             return False
         if func is aten._pin_memory.default:
             return args[0].clone()
         if func.overloadpacket is aten.to:
-            return _to(func, args, kwargs)
+            return _to(func, args, dict(kwargs))
         if _emulated_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
+            kwargs = {**kwargs, "device": _CPU}
             if kwargs.get("pin_memory"):
                 kwargs["pin_memory"] = False
             if func is aten._to_copy.default:

@@ -208,3 +208,35 @@ def test_api_select_and_evaluate_on_the_device_equal_cpu(digits_ckpt):
     for report in (gpu_report, cpu_report):
         report.pop("timings", None), report.pop("environment", None)
     same(gpu_report, cpu_report, "report")
+
+
+@pytest.mark.parametrize(
+    ("likelihood", "data"), [("categorical", "digits"), ("bernoulli", "composed-digits")]
+)
+def test_map_training_reads_the_host_per_epoch_not_per_step_and_equals_cpu(likelihood, data):
+    """The MAP trainer (``train``, the from-scratch methods' first stage) on the device: the loss is
+    summed there and read once an epoch, the accuracies are counted there and read once, so the
+    host reads do not grow with the number of steps or batches; the loss curve and the accuracies
+    are the CPU run's (the same float64 sums of the same float32 losses)."""
+    from bayescli.training.classifier import accuracy
+
+    train, val = load_data(f"{data}:train[:200]"), load_data(f"{data}:val[:100]")
+    reads, metas, accs = {}, {}, {}
+    for bs in (16, 64):  # 13 vs 4 steps an epoch; 7 vs 2 batches for the accuracy
+        config = TrainConfig(epochs=2, batch_size=bs, seed=0)
+        with emulated_cuda() as stats:
+            clf, metas[bs] = train_classifier("builtin:mlp", train, val, config, "cuda", likelihood)
+            training = stats.host_reads
+            stats.reset()
+            accs[bs] = accuracy(  # the model trained with bs, in batches of bs
+                clf, val, torch.device("cuda"), batch_size=bs
+            )
+            reads[bs] = (training, stats.host_reads)
+    assert reads[16] == reads[64], reads
+    _, cpu = train_classifier(
+        "builtin:mlp", train, val, TrainConfig(epochs=2, batch_size=16), "cpu", likelihood
+    )
+    same(metas[16]["train_loss"], cpu["train_loss"], "loss curve")
+    for key in ("train_accuracy", "val_accuracy"):
+        assert metas[16][key] == cpu[key], key
+    assert all(accs[bs] == metas[bs]["val_accuracy"] for bs in accs), (accs, metas)  # one batch there

@@ -73,10 +73,11 @@ def accuracy(model: nn.Module, data: Data, device: torch.device, batch_size: int
     if data.multilabel:
         return multilabel_accuracy(model, data, device, batch_size)[0]
     model.eval()
-    correct = 0
+    # counted on the device and read once: a read per batch would wait for the GPU every time
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for xb, yb in data.batches(batch_size):
-        correct += int((model(xb.to(device)).argmax(1).cpu() == yb).sum())
-    return correct / len(data)
+        correct += (model(xb.to(device)).argmax(1) == yb.to(device)).sum()
+    return int(correct) / len(data)
 
 
 @torch.no_grad()
@@ -86,11 +87,11 @@ def multilabel_accuracy(
     """``(mean per-label accuracy, subset accuracy)`` of ``model`` on multi-label ``data``
     (``y [N, K]``): class k is predicted present when its logit is positive (sigmoid > 1/2)."""
     model.eval()
-    right_labels = right_sets = 0
+    right = torch.zeros(2, dtype=torch.int64, device=device)  # labels, sets; read once
     for xb, yb in data.batches(batch_size):
-        hit = (model(xb.to(device)) > 0).cpu() == yb.bool()  # [B, K]
-        right_labels += int(hit.sum())
-        right_sets += int(hit.all(1).sum())
+        hit = (model(xb.to(device)) > 0) == yb.to(device).bool()  # [B, K]
+        right += torch.stack([hit.sum(), hit.all(1).sum()])
+    right_labels, right_sets = right.tolist()
     return right_labels / (len(data) * data.num_classes), right_sets / len(data)
 
 
@@ -137,7 +138,9 @@ def train_classifier(
     for _ in track(range(cfg.epochs), total=cfg.epochs, description=f"training {spec}"):
         clf.train()
         perm = torch.randperm(len(train), generator=gen)
-        total = 0.0
+        # summed on the device in float64 (the sums a Python float made of loss.item()) and read
+        # once per epoch: a read per step would make the GPU wait every step
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, len(train), cfg.batch_size):
             idx = perm[start : start + cfg.batch_size]
             xb, yb = (t.to(device) for t in train.take(idx))
@@ -146,8 +149,8 @@ def train_classifier(
             loss.backward()
             opt.step()
             sched.step()
-            total += loss.item() * len(yb)
-        losses.append(total / len(train))
+            total += loss.detach().double() * len(yb)
+        losses.append(total.item() / len(train))
     clf.eval()
     return clf, checkpoint_metadata(
         spec, clf, train, val, device, (mean, std), asdict(cfg), losses, likelihood=likelihood
