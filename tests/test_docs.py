@@ -105,6 +105,18 @@ def _check_multilabel(d: Path) -> None:
     assert "3" in report["results"]["in_distribution"]["glm-probit"]["per_label"]["nll"]
 
 
+def _check_segmentation(d: Path) -> None:
+    report = _json(d / "seg-report.json")
+    assert report["task"] == "segmentation" and set(report["results"]["in_distribution"]) == {
+        "map",
+        "temp",
+        "glm-probit",
+    }
+    cell = report["results"]["anomaly"]["digit-scenes:anomaly"]["glm-probit"]
+    assert cell["anomalous"] > 0 and {"auroc", "ap", "fpr95", "error_bound"} <= set(cell["entropy"])
+    assert len(report["gates"]) == 2 and not any(g["failed"] for g in report["gates"])
+
+
 def _check_python_api(d: Path) -> None:
     assert (d / "laplace.safetensors").exists()
 
@@ -124,6 +136,7 @@ CHECKS = {
     "ci_gate": _check_ci_gate,
     "scale": _check_scale,
     "multilabel": _check_multilabel,
+    "segmentation": _check_segmentation,
     "python_api": _check_python_api,
     "troubleshooting": _check_troubleshooting,
 }

@@ -29,7 +29,8 @@ Segmentation sets (masks ``[N, H, W]``): ``seg:FILE.npz[:split][[lo:hi]]`` reads
 (and ``anomaly``, ``class_names``) with :func:`~bayescli.data.segmentation.segmentation_npz`; the
 name alone is the whole file, a split is the same seeded 70/10/20 partition as ``npz:``. They load
 with :func:`load_segmentation` (not :func:`load_data`): a :class:`SegmentationData`, not a
-:class:`Data`.
+:class:`Data`. ``digit-scenes[:split]`` needs no file: 32×32 scenes of 1–3 of scikit-learn's 8×8
+digits (:func:`digit_scenes`); ``digit-scenes:anomaly`` adds letter glyphs as anomalies.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from bayescli.data import sources
 from bayescli.data.base import Data
 from bayescli.data.composed import compose
+from bayescli.data.scenes import compose_scenes
 from bayescli.data.segmentation import IGNORE_INDEX, SegmentationData, segmentation_npz
 from bayescli.errors import BayescliError
 from bayescli.models.preprocess import Preprocess, warn_resize
@@ -91,6 +93,8 @@ class DataSpec:
             if kind == "composed":
                 cls.parse(path)  # a bad base spec fails now, with its own message
             return cls(kind, split, path)
+        if kind == "digit-scenes" and rest == "anomaly":
+            return cls(kind, rest, None)
         if kind not in DATASETS:
             raise BayescliError(
                 f"unknown dataset '{kind}'; choose one of "
@@ -230,12 +234,69 @@ DATASETS: dict[str, Callable[[DataSpec, Path, bool, int, Preprocess], Data]] = {
     "composed": _composed,
     "composed-digits": _composed_digits,
     "seg": _seg,
+    "digit-scenes": _seg,
+}
+SEGMENTATION = ("seg", "digit-scenes")
+
+# digit-scenes: scenes per split (train/val/test are made of that split's digits; the anomaly scenes
+# of the test digits), each split's own composition seed, canvas and digits per scene.
+DIGIT_SCENES = {"train": 600, "val": 100, "test": 150, "anomaly": 150}
+_SCENE_SEEDS = {"train": 0, "val": 1, "test": 2, "anomaly": 3}
+SCENE_CANVAS = (24, 24)
+SCENE_OBJECTS = (2, 4)
+# Letter-like glyphs on the digits' 8×8 grid, the anomalies of digit-scenes:anomaly: A, E, F, H,
+# K, L, T, X, shapes no digit class has (scikit-learn's digits have no letters).
+_GLYPHS = {
+    "A": ["..####..", ".##..##.", "##....##", "##....##", "########", "##....##", "##....##", "##....##"],
+    "E": ["########", "##......", "##......", "######..", "######..", "##......", "##......", "########"],
+    "F": ["########", "##......", "##......", "######..", "######..", "##......", "##......", "##......"],
+    "H": ["##....##", "##....##", "##....##", "########", "########", "##....##", "##....##", "##....##"],
+    "K": ["##...##.", "##..##..", "##.##...", "####....", "####....", "##.##...", "##..##..", "##...##."],
+    "L": ["##......", "##......", "##......", "##......", "##......", "##......", "########", "########"],
+    "T": ["########", "########", "...##...", "...##...", "...##...", "...##...", "...##...", "...##..."],
+    "X": ["##....##", ".##..##.", "..####..", "...##...", "...##...", "..####..", ".##..##.", "##....##"],
 }
 
 
+def letter_glyphs() -> torch.Tensor:
+    """``[8, 8, 8]`` float in {0, 1}: the letters A E F H K L T X drawn on an 8×8 grid."""
+    rows = [[[c == "#" for c in line] for line in glyph] for glyph in _GLYPHS.values()]
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def digit_scenes(
+    split: str, split_seed: int = DEFAULT_SPLIT_SEED, ignore_index: int = IGNORE_INDEX
+) -> SegmentationData:
+    """``digit-scenes:SPLIT``: :data:`DIGIT_SCENES` ``[SPLIT]`` scenes ``x [N, 1, 32, 32]`` float in
+    [0, 1] with masks ``[N, 32, 32]`` (0 background, ``d + 1`` on digit ``d``'s pixels, K = 11),
+    composed (:func:`~bayescli.data.scenes.compose_scenes`) from the digits of scikit-learn's
+    seeded 70/10/20 split ``SPLIT`` (``anomaly``: of ``test``), so no digit image is in two splits.
+    ``anomaly`` pastes one letter glyph (:func:`letter_glyphs`) per scene beside the digits: its
+    pixels are ``ignore_index`` in the mask and 1 in ``anomaly``. Deterministic given ``split_seed``."""
+    base = sources.digits()
+    rows = _seeded_split(len(base), "test" if split == "anomaly" else split, split_seed)
+    letters = letter_glyphs() if split == "anomaly" else None
+    scenes = compose_scenes(
+        base.x[rows, 0],
+        base.y[rows],
+        DIGIT_SCENES[split],
+        seed=split_seed * len(_SCENE_SEEDS) + _SCENE_SEEDS[split],
+        canvas=SCENE_CANVAS,
+        objects=SCENE_OBJECTS,
+        anomalies=letters,
+        ignore_index=ignore_index,
+    )
+    info = {"source": "digit scenes of sklearn.datasets.load_digits", "digits_split": split}
+    if letters is not None:
+        info |= {"digits_split": "test", "anomalies": "letter glyphs A E F H K L T X"}
+    return SegmentationData(
+        scenes.x[:, None], scenes.mask, scenes.class_names, ignore_index, info, scenes.anomaly
+    )
+
+
 def is_segmentation(spec: str | None) -> bool:
-    """Whether the data spec ``spec`` names segmentation data (``seg:FILE.npz…``)."""
-    return spec is not None and DataSpec.parse(spec).name == "seg"
+    """Whether the data spec ``spec`` names segmentation data (``seg:FILE.npz…``, ``digit-scenes…``)."""
+    return spec is not None and DataSpec.parse(spec).name in SEGMENTATION
 
 
 def load_segmentation(
@@ -245,15 +306,28 @@ def load_segmentation(
     seed: int = 0,
     split_seed: int = DEFAULT_SPLIT_SEED,
 ) -> SegmentationData:
-    """Load ``seg:FILE.npz[:split][[lo:hi]]`` as :class:`SegmentationData`: the split (seeded
-    70/10/20, as ``npz:``), then the row range, then ``limit`` seeded random images (``seed``).
-    ``info`` records the spec and each step."""
+    """Load ``seg:FILE.npz[:split][[lo:hi]]`` or ``digit-scenes[:split][[lo:hi]]`` as
+    :class:`SegmentationData`: the split (``seg:`` seeded 70/10/20, as ``npz:``; ``digit-scenes``
+    composed per split, :func:`digit_scenes`, ``test`` by default), then the row range, then
+    ``limit`` seeded random images (``seed``). ``info`` records the spec and each step."""
     parsed = spec if isinstance(spec, DataSpec) else DataSpec.parse(spec)
-    if parsed.name != "seg":
-        raise BayescliError(f"{parsed} is not segmentation data; use seg:FILE.npz (arrays x and mask)")
-    data = segmentation_npz(Path(parsed.path), ignore_index)
-    info = {"spec": str(parsed), **data.info, "ignore_index": ignore_index}
-    if parsed.split is not None:
+    if parsed.name not in SEGMENTATION:
+        raise BayescliError(
+            f"{parsed} is not segmentation data; use seg:FILE.npz (arrays x and mask) or digit-scenes"
+        )
+    if parsed.name == "digit-scenes":
+        split = parsed.split or "test"
+        if split == "anomaly" and ignore_index is None:
+            raise BayescliError(
+                f"{parsed} marks its letters' pixels with the ignore index; keep one (--ignore-index ≥ 0)"
+            )
+        data = digit_scenes(split, split_seed, IGNORE_INDEX if ignore_index is None else ignore_index)
+        info = {"spec": str(parsed), **data.info, "ignore_index": ignore_index, "split": split}
+        info |= {"split_seed": split_seed}
+    else:
+        data = segmentation_npz(Path(parsed.path), ignore_index)
+        info = {"spec": str(parsed), **data.info, "ignore_index": ignore_index}
+    if parsed.split is not None and parsed.name == "seg":
         data = data.subset(_seeded_split(len(data), parsed.split, split_seed))
         info |= {"split": parsed.split, "split_seed": split_seed}
     if parsed.rows is not None:
