@@ -78,7 +78,8 @@ class ToyPosterior(Posterior):
 
 def fit(source: FitSource, settings: ToySettings) -> ToyPosterior:
     head = source.classifier.head
-    return ToyPosterior(head.weight.detach().cpu().clone(), head.bias.detach().cpu().clone(), settings.c)
+    # on the head's device, as every method's posterior (a GPU run would mix devices otherwise)
+    return ToyPosterior(head.weight.detach().clone(), head.bias.detach().clone(), settings.c)
 
 
 TOY = MethodEntry(
@@ -192,7 +193,7 @@ def test_a_toy_method_reaches_the_api_and_select(toy, cli, digits_ckpt, tmp_path
     assert isinstance(post, ToyPosterior) and post.c == 1.5
     probs = post.predict(test).probs
     # float32 features and logits against the closed form in float64: a few float32 ulps
-    torch.testing.assert_close(probs.double(), probit_oracle(logits, 1.5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(probs.double().cpu(), probit_oracle(logits.cpu(), 1.5), rtol=0, atol=1e-5)
 
     res = cli("select", "--methods", "toy,temperature", "--model", "builtin:small-cnn", "--checkpoint",
               digits_ckpt, "--data", "digits:train", "--limit", 200, "--val-data", "digits:val",
