@@ -125,6 +125,9 @@ def _bayescli(args: list, launcher: list | None = None):
     )
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _finish(proc) -> tuple[int, str]:
     _, err = proc.communicate(timeout=600)
     return proc.returncode, err
@@ -276,7 +279,13 @@ def test_a_failure_on_one_rank_ends_every_rank_with_one_message(tmp_path):
 
     # Skipped on rank 1, recorded by rank 0; each process caches its own shard's features.
     cache = tmp_path / "feats"
-    code, err = _finish(_bayescli([*args, "--skip-unreadable", "--feature-cache", cache], _torchrun(2)))
+    skipping = [*args, "--skip-unreadable", "--feature-cache", cache]
+    code, err = _finish(_bayescli(skipping, _torchrun(2)))
+    if code != 0 and TEARDOWN_ABORT in err:
+        # Intermittently, under load, a rank aborts in torch's own teardown after a successful
+        # run (std::terminate at interpreter exit, SIGABRT), the process group already destroyed
+        # by the CLI: not this test's subject, so such a run is repeated once.
+        code, err = _finish(_bayescli(skipping, _torchrun(2)))
     assert code == 0, err
     _, meta = load_tensors(out)
     assert meta["n_data"] == 23 and meta["data"]["unreadable"]["paths"] == [str(broken)]
